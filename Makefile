@@ -1,0 +1,30 @@
+# flexplan developer entry points. `make test` and `make demo` set up their own virtualenv.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.flexplan-installed
+
+.PHONY: test demo gpu-check clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch 2.13.0 (CPU) is the build this machine keeps on disk; Triton comes from the registry.
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# Kernels run on the CPU through Triton's interpreter.
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+
+# The main job end to end: real sizes on a GPU, a small size through the interpreter elsewhere.
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+# On the GPU machine (system python with torch + triton, no network): GPU tests and benchmarks.
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

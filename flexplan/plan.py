@@ -1,0 +1,124 @@
+"""The execution plan of one sparse convolution: everything the kernels need besides the data.
+
+A plan is built once per (coordinates, geometry) and reused by every layer and call that sees the
+same coordinates; the plan cache serializes it. Fields are tensors on one device; the object is
+frozen and its dictionaries are read-only views.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
+from typing import Mapping, Optional
+
+import torch
+
+from .geometry import ConvGeometry
+
+# Bump whenever a field's meaning or layout changes: the plan cache keys on it.
+PLAN_FORMAT_VERSION = 1
+
+# Missing neighbour marker in neighbor_map (int32 -1, the 0xffffffff of the FlexGEMM write-up).
+MISSING = -1
+
+
+@dataclass(frozen=True)
+class GatherMap:
+    """Rows of one side gather rows of the other side, one column per kernel offset.
+
+    neighbor_map:     int32 [M, V]; entry (m, v) is the gathered row for offset v or MISSING.
+    sorted_idx:       int32 [M]; rows in Gray-code order of their neighbour masks.
+    valid_kernel:     block size -> int32 [L]; for each block of B sorted rows, the offsets
+                      at least one row of the block has, concatenated block after block.
+    valid_kernel_seg: block size -> int32 [ceil(M / B) + 1]; block i owns
+                      valid_kernel[seg[i]:seg[i + 1]].
+    """
+
+    neighbor_map: torch.Tensor
+    sorted_idx: torch.Tensor
+    valid_kernel: Mapping[int, torch.Tensor]
+    valid_kernel_seg: Mapping[int, torch.Tensor]
+
+    def __post_init__(self):
+        object.__setattr__(self, "valid_kernel", MappingProxyType(dict(self.valid_kernel)))
+        object.__setattr__(self, "valid_kernel_seg", MappingProxyType(dict(self.valid_kernel_seg)))
+
+    @property
+    def num_rows(self) -> int:
+        return self.neighbor_map.shape[0]
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.valid_kernel))
+
+    def to(self, device, non_blocking: bool = False) -> "GatherMap":
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return GatherMap(move(self.neighbor_map), move(self.sorted_idx),
+                         {b: move(t) for b, t in self.valid_kernel.items()},
+                         {b: move(t) for b, t in self.valid_kernel_seg.items()})
+
+
+@dataclass(frozen=True)
+class ConvPlan:
+    """Execution plan of one sparse convolution.
+
+    out[i] = sum_v W[:, v, :] @ in[fwd.neighbor_map[i, v]]  over the offsets v present.
+
+    fwd:  output rows gather input rows (forward, and grad-weight pairs).
+    bwd:  input rows gather output rows, for grad-input. None for submanifold convolutions:
+          there the same map serves with the offsets reversed (v -> V - 1 - v), by symmetry.
+    valid_signal_i / valid_signal_o: int32 [P]; all (input row, output row) pairs, grouped
+          by offset; valid_signal_seg int32 [V + 1] delimits each offset's pairs. Used for
+          grad-weight: dW[v] = sum over its pairs of grad_out[o]^T in[i].
+    out_coords: int32 [N_out, 4]; for submanifold convolutions the input coords themselves.
+    """
+
+    geometry: ConvGeometry
+    batch_size: int
+    in_spatial_shape: tuple[int, int, int]
+    out_spatial_shape: tuple[int, int, int]
+    num_in: int
+    num_out: int
+    out_coords: torch.Tensor
+    fwd: GatherMap
+    bwd: Optional[GatherMap]
+    valid_signal_i: torch.Tensor
+    valid_signal_o: torch.Tensor
+    valid_signal_seg: torch.Tensor
+    version: int = PLAN_FORMAT_VERSION
+
+    @property
+    def kernel_volume(self) -> int:
+        return self.geometry.volume
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.valid_signal_i.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.fwd.neighbor_map.device
+
+    def to(self, device, non_blocking: bool = False) -> "ConvPlan":
+        """The same plan with every tensor on `device` (pinned sources copy asynchronously)."""
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return replace(self, out_coords=move(self.out_coords),
+                       fwd=self.fwd.to(device, non_blocking),
+                       bwd=None if self.bwd is None else self.bwd.to(device, non_blocking),
+                       valid_signal_i=move(self.valid_signal_i),
+                       valid_signal_o=move(self.valid_signal_o),
+                       valid_signal_seg=move(self.valid_signal_seg))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the plan under a flat, stable name (for serialization and equality)."""
+        out: dict[str, torch.Tensor] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                out[f.name] = value
+            elif isinstance(value, GatherMap):
+                out[f"{f.name}.neighbor_map"] = value.neighbor_map
+                out[f"{f.name}.sorted_idx"] = value.sorted_idx
+                for b in value.block_sizes:
+                    out[f"{f.name}.valid_kernel.{b}"] = value.valid_kernel[b]
+                    out[f"{f.name}.valid_kernel_seg.{b}"] = value.valid_kernel_seg[b]
+        return out

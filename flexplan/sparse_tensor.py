@@ -1,0 +1,135 @@
+"""SparseTensor: features [N, C] + int32 coords [N, 4] as (batch, x, y, z) + spatial shape."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .geometry import triple
+
+
+class SparseTensorError(ValueError):
+    """Raised for malformed sparse tensors (bad dtype, shape, range, duplicates)."""
+
+
+def check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batch_size: int,
+                 check_duplicates: bool = True) -> None:
+    """Validate coords against the grid; raise SparseTensorError with the first offending row."""
+    if not isinstance(coords, torch.Tensor):
+        raise SparseTensorError(f"coords must be a torch.Tensor, got {type(coords).__name__}")
+    if coords.dtype != torch.int32:
+        raise SparseTensorError(f"coords must be int32, got {coords.dtype}")
+    if coords.dim() != 2 or coords.shape[1] != 4:
+        raise SparseTensorError(f"coords must have shape [N, 4] (batch, x, y, z), got {tuple(coords.shape)}")
+    if coords.shape[0] == 0:
+        return
+    upper = torch.tensor([batch_size, *spatial_shape], dtype=torch.int32, device=coords.device)
+    bad = ((coords < 0) | (coords >= upper)).any(dim=1)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise SparseTensorError(
+            f"coords row {row} = {coords[row].tolist()} is outside batch_size={batch_size}, "
+            f"spatial_shape={tuple(spatial_shape)} (each entry must be in [0, size))")
+    if check_duplicates:
+        from .planner.keys import pack_coords  # local import: keys depends on nothing here
+
+        keys = pack_coords(coords, spatial_shape, batch_size)
+        sorted_keys, order = torch.sort(keys, stable=True)
+        dup = sorted_keys[1:] == sorted_keys[:-1]
+        if bool(dup.any()):
+            pos = int(dup.nonzero()[0, 0])
+            a, b = sorted(int(i) for i in order[pos:pos + 2])
+            raise SparseTensorError(
+                f"duplicate coordinate {coords[a].tolist()} at rows {a} and {b}; "
+                "pass merge_duplicates=True to SparseTensor to sum their features")
+
+
+def merge_duplicate_coords(feats: torch.Tensor, coords: torch.Tensor,
+                           spatial_shape: tuple[int, int, int], batch_size: int):
+    """Sum the features of equal coordinates; keeps the first occurrence's position order."""
+    from .planner.keys import pack_coords
+
+    keys = pack_coords(coords, spatial_shape, batch_size)
+    uniq, inverse = torch.unique(keys, return_inverse=True)
+    first = torch.full((uniq.numel(),), coords.shape[0], dtype=torch.long, device=coords.device)
+    first.scatter_reduce_(0, inverse, torch.arange(coords.shape[0], device=coords.device), "amin")
+    order = torch.argsort(first)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    slot = rank[inverse]
+    merged = torch.zeros((uniq.numel(), feats.shape[1]), dtype=feats.dtype, device=feats.device)
+    merged.index_add_(0, slot, feats)
+    return merged, coords[first[order]]
+
+
+class SparseTensor:
+    """A batch of sparse 3D voxel features.
+
+    feats:  [N, C] floating tensor
+    coords: [N, 4] int32 tensor, rows (batch, x, y, z), unique unless merge_duplicates=True
+    spatial_shape: (X, Y, Z) grid size; coords[:, 1:] must lie in [0, X) x [0, Y) x [0, Z)
+    batch_size: number of batch entries; defaults to max(batch) + 1
+    """
+
+    def __init__(self, feats: torch.Tensor, coords: torch.Tensor, spatial_shape: Sequence[int],
+                 batch_size: Optional[int] = None, *, merge_duplicates: bool = False,
+                 check: bool = True):
+        if not isinstance(feats, torch.Tensor) or not feats.is_floating_point():
+            raise SparseTensorError(
+                f"feats must be a floating-point torch.Tensor, got "
+                f"{feats.dtype if isinstance(feats, torch.Tensor) else type(feats).__name__}")
+        if feats.dim() != 2:
+            raise SparseTensorError(f"feats must have shape [N, C], got {tuple(feats.shape)}")
+        if not isinstance(coords, torch.Tensor):
+            raise SparseTensorError(f"coords must be a torch.Tensor, got {type(coords).__name__}")
+        if feats.shape[0] != coords.shape[0]:
+            raise SparseTensorError(
+                f"feats has {feats.shape[0]} rows but coords has {coords.shape[0]}; they must match")
+        if feats.device != coords.device:
+            raise SparseTensorError(f"feats is on {feats.device} but coords is on {coords.device}")
+        shape = triple(spatial_shape, "spatial_shape")
+        if any(s < 1 for s in shape):
+            raise SparseTensorError(f"spatial_shape entries must be >= 1, got {shape}")
+        if batch_size is None:
+            batch_size = int(coords[:, 0].max()) + 1 if coords.numel() else 1
+        if batch_size < 1:
+            raise SparseTensorError(f"batch_size must be >= 1, got {batch_size}")
+        if check or merge_duplicates:
+            check_coords(coords, shape, batch_size, check_duplicates=check and not merge_duplicates)
+        if merge_duplicates:
+            feats, coords = merge_duplicate_coords(feats, coords, shape, batch_size)
+        self.feats = feats
+        self.coords = coords
+        self.spatial_shape = shape
+        self.batch_size = int(batch_size)
+
+    @property
+    def num_voxels(self) -> int:
+        return self.feats.shape[0]
+
+    @property
+    def num_channels(self) -> int:
+        return self.feats.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.feats.device
+
+    def replace_feats(self, feats: torch.Tensor) -> "SparseTensor":
+        """Same coordinates, new features (e.g. the output of a submanifold layer)."""
+        if feats.dim() != 2 or feats.shape[0] != self.num_voxels:
+            raise SparseTensorError(
+                f"replacement feats must have shape [{self.num_voxels}, C], got {tuple(feats.shape)}")
+        return SparseTensor(feats, self.coords, self.spatial_shape, self.batch_size, check=False)
+
+    def dense(self) -> torch.Tensor:
+        """Dense [B, C, X, Y, Z] view, for tests and small grids."""
+        b, x, y, z = self.coords.long().unbind(1)
+        out = self.feats.new_zeros((self.batch_size, self.num_channels, *self.spatial_shape))
+        out[b, :, x, y, z] = self.feats
+        return out
+
+    def __repr__(self) -> str:
+        return (f"SparseTensor(N={self.num_voxels}, C={self.num_channels}, "
+                f"spatial_shape={self.spatial_shape}, batch_size={self.batch_size}, "
+                f"dtype={self.feats.dtype}, device={self.device})")

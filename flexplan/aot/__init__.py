@@ -1,0 +1,1 @@
+"""Runtime side of ahead-of-time kernels: find and launch precompiled binaries."""

@@ -1,0 +1,1 @@
+"""Plan cache: in-memory LRU over a disk cache shared by processes."""

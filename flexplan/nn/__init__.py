@@ -1,0 +1,1 @@
+"""torch.nn modules over the flexplan ops."""

@@ -1,0 +1,1 @@
+"""Autotuned kernel configs, persisted per GPU."""

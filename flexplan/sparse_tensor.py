@@ -102,6 +102,9 @@ class SparseTensor:
         self.coords = coords
         self.spatial_shape = shape
         self.batch_size = int(batch_size)
+        # Plans for these coords, by geometry; shared with tensors made by replace_feats so that
+        # every layer over the same coordinates reuses one plan.
+        self._plans: dict = {}
 
     @property
     def num_voxels(self) -> int:
@@ -120,7 +123,19 @@ class SparseTensor:
         if feats.dim() != 2 or feats.shape[0] != self.num_voxels:
             raise SparseTensorError(
                 f"replacement feats must have shape [{self.num_voxels}, C], got {tuple(feats.shape)}")
-        return SparseTensor(feats, self.coords, self.spatial_shape, self.batch_size, check=False)
+        out = SparseTensor(feats, self.coords, self.spatial_shape, self.batch_size, check=False)
+        out._plans = self._plans
+        return out
+
+    def get_plan(self, geometry):
+        """The plan of `geometry` over these coords: built (or found in the plan cache) once."""
+        plan = self._plans.get(geometry)
+        if plan is None:
+            from .cache import cached_plan
+
+            plan = cached_plan(self.coords, self.spatial_shape, self.batch_size, geometry, check=False)
+            self._plans[geometry] = plan
+        return plan
 
     def dense(self) -> torch.Tensor:
         """Dense [B, C, X, Y, Z] view, for tests and small grids."""

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks in one go, on the GPU machine (system python with torch + Triton,
+# no network). Carry .whl (platformdirs) and .peers (spconv, from ../shared/tools/peers-for-gpu.sh).
+# Usage: bash scripts/gpu_check.sh [tests] [planner] [submconv] [cache] [aot] [tuning] [unet]
+#        (no argument: everything). Results land in scripts/results/ and, if set, in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+  || { echo "flexplan install failed"; exit 1; }
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps .whl/*.whl >/dev/null 2>&1
+[ -d .peers ] && source .peers/peers-on-gpu.sh .peers
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests planner submconv cache aot tuning unet)
+status=0
+for step in "${steps[@]}"; do
+  echo "=== $step"
+  case $step in
+    tests)    python3 -m pytest -q -m gpu tests ;;
+    planner)  python3 scripts/bench_planner.py ;;
+    submconv) python3 scripts/bench_submconv.py ;;
+    cache)    python3 scripts/bench_cache.py ;;
+    aot)      python3 scripts/bench_aot.py ;;
+    tuning)   python3 scripts/bench_tuning.py ;;
+    unet)     python3 scripts/bench_unet_spconv.py ;;
+    *) echo "unknown step $step"; false ;;
+  esac || status=1
+done
+if [ -n "${OUT:-}" ]; then cp scripts/results/*.md "$OUT"/ 2>/dev/null; fi
+exit $status

@@ -1,0 +1,37 @@
+"""Where flexplan keeps files between runs: the one place that knows the cache directories.
+
+Root: $FLEXPLAN_CACHE_DIR if set, else the per-user cache dir (platformdirs, e.g.
+~/.cache/flexplan on Linux). Each kind of file has its own subdirectory and function; callers
+create the directory when they write (a read-only or missing root must not break imports).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE_DIR_ENV = "FLEXPLAN_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """Root of every flexplan cache; read at each call so tests and jobs can redirect it."""
+    override = os.environ.get(CACHE_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    import platformdirs  # deferred: only needed when no override is set
+
+    return Path(platformdirs.user_cache_dir("flexplan", appauthor=False))
+
+
+def plan_cache_dir() -> Path:
+    """Serialized execution plans (flexplan.cache)."""
+    return cache_root() / "plans"
+
+
+def aot_cache_dir() -> Path:
+    """Ahead-of-time compiled kernel bundles (flexplan.aot)."""
+    return cache_root() / "aot"
+
+
+def tuning_dir() -> Path:
+    """Autotuned kernel-config tables (flexplan.tuning)."""
+    return cache_root() / "tuning"

@@ -1,5 +1,189 @@
-"""Kernel configuration facts shared by the planner, the kernels, the tuner and the AOT build."""
+"""Kernel configuration facts shared by the planner, the kernels, the tuner and the AOT build.
+
+One place for: the row-block sizes plans are built for, the launch config type, the candidate
+config space of each kernel family, the description of one problem, and the heuristic default
+config (what runs until the tuner has measured this GPU).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 # Row-block sizes of the masked implicit GEMM kernels. The planner builds valid_kernel /
-# valid_kernel_seg for each, so every masked-kernel config must take its BLOCK_N from here.
+# valid_kernel_seg for each, so every masked-kernel config must take its BLOCK_M from here.
 PLAN_BLOCK_SIZES = (16, 32, 64, 128)
+
+# Kernel families: the gather-GEMM (forward and grad-input) and grad-weight over pairs.
+GATHER_GEMM = "conv_gather_gemm"
+WGRAD = "conv_wgrad"
+FAMILIES = (GATHER_GEMM, WGRAD)
+
+# Convolution algorithms ("auto" resolves to one of these per problem, see choose_algo).
+ALGORITHMS = ("explicit", "implicit", "implicit_splitk", "masked", "masked_splitk")
+PARTS = ("fwd", "dgrad", "wgrad")
+DTYPES = ("float16", "bfloat16", "float32", "tf32", "float64")
+
+# Split-K partial sums live in an fp32 workspace; cap it so split-K never costs much memory.
+SPLITK_WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration. For the gather-GEMM, BLOCK_M tiles rows, BLOCK_N output
+    channels, BLOCK_K the reduced channels; for grad-weight, BLOCK_M tiles Co, BLOCK_N Ci and
+    BLOCK_K the pairs. SPLITK splits the reduction over a grid axis."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    splitk: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def launch_kwargs(self) -> dict:
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
+                    SPLITK=self.splitk, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One kernel call to configure, in convolution terms.
+
+    n:  rows of the GEMM: output rows (fwd), input rows (dgrad), all pairs (wgrad).
+    ci, co: the layer's input / output channels; v: kernel volume.
+    dtype: one of DTYPES ("tf32" = float32 with TF32 allowed); algo: one of ALGORITHMS;
+    part: one of PARTS.
+    """
+
+    n: int
+    ci: int
+    co: int
+    v: int
+    dtype: str
+    algo: str
+    part: str
+
+    def __post_init__(self):
+        if self.algo not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.algo!r}; choose one of {ALGORITHMS}")
+        if self.part not in PARTS:
+            raise ValueError(f"unknown part {self.part!r}; choose one of {PARTS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
+
+    @property
+    def family(self) -> str:
+        return WGRAD if self.part == "wgrad" else GATHER_GEMM
+
+    @property
+    def gemm_mkn(self) -> tuple[int, int, int]:
+        """(M, K, N) of the GEMM one kernel computes (per offset for wgrad: K = pairs)."""
+        if self.part == "fwd":
+            return self.n, self.ci, self.co
+        if self.part == "dgrad":
+            return self.n, self.co, self.ci
+        return self.co, max(self.n // max(self.v, 1), 1), self.ci
+
+    @property
+    def splitk_allowed(self) -> bool:
+        return self.algo.endswith("_splitk")
+
+    @property
+    def element_bytes(self) -> int:
+        return {"float16": 2, "bfloat16": 2, "float64": 8}.get(self.dtype, 4)
+
+
+# The candidate space of each family, in one place (the tuner and the AOT build enumerate it).
+CANDIDATE_AXES = {
+    GATHER_GEMM: dict(block_m=PLAN_BLOCK_SIZES, block_n=(16, 32, 64, 128), block_k=(16, 32, 64),
+                      splitk=(1, 2, 4, 8, 16), num_warps=(4, 8), num_stages=(2, 3, 4)),
+    WGRAD: dict(block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128), block_k=(32, 64, 128),
+                splitk=(1, 2, 4, 8, 16, 32, 64), num_warps=(4, 8), num_stages=(2, 3, 4)),
+}
+
+
+def _pow2_at_least(x: int, low: int = 16) -> int:
+    return max(low, 1 << max(int(x) - 1, 0).bit_length())
+
+
+def candidate_configs(problem: Problem) -> list[KernelConfig]:
+    """Every config of the problem's family worth trying on it: blocks no larger than needed,
+    split-K only for split-K algorithms, and fp32 workspaces within SPLITK_WORKSPACE_BYTES."""
+    axes = CANDIDATE_AXES[problem.family]
+    m, k, n = problem.gemm_mkn
+    out = []
+    for bm in axes["block_m"]:
+        if bm > _pow2_at_least(m):
+            continue
+        for bn in axes["block_n"]:
+            if bn > _pow2_at_least(n):
+                continue
+            for bk in axes["block_k"]:
+                if bk > _pow2_at_least(k):
+                    continue
+                for s in axes["splitk"]:
+                    if s > 1 and not (problem.splitk_allowed and _workspace_ok(problem, s)):
+                        continue
+                    for w in axes["num_warps"]:
+                        for st in axes["num_stages"]:
+                            out.append(KernelConfig(bm, bn, bk, s, w, st))
+    return out
+
+
+def _workspace_ok(problem: Problem, splitk: int) -> bool:
+    if problem.part == "wgrad":
+        size = problem.co * problem.v * problem.ci
+    else:
+        m, _, n = problem.gemm_mkn
+        size = m * n
+    return splitk * size * 4 <= SPLITK_WORKSPACE_BYTES
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms() -> int:
+    """Streaming multiprocessors (compute units) of the current GPU; 132 (H100) without one."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 132
+
+
+def _splitk_for(problem: Problem, tiles: int, k_iters: int) -> int:
+    """Enough splits to give every SM ~2 programs, keeping >= 4 iterations per split."""
+    if not problem.splitk_allowed:
+        return 1
+    splitk = 1
+    while (tiles * splitk * 2 <= 2 * num_sms() and k_iters // (splitk * 2) >= 4
+           and _workspace_ok(problem, splitk * 2) and splitk * 2 <= 64):
+        splitk *= 2
+    return splitk
+
+
+def heuristic_config(family: str, problem: Problem) -> KernelConfig:
+    """A reasonable config without tuning (the tuned tables, where present, override it)."""
+    if family != problem.family:
+        raise ValueError(f"problem part {problem.part!r} belongs to {problem.family}, not {family}")
+    m, k, n = problem.gemm_mkn
+    wide = problem.element_bytes <= 2
+    bn = min(128, _pow2_at_least(n))
+    if family == GATHER_GEMM:
+        bm = min(128 if wide else 64, _pow2_at_least(m))
+        bk = min(64 if wide else 32, _pow2_at_least(k))
+        tiles = -(-m // bm) * -(-n // bn)
+        k_iters = problem.v * -(-k // bk)
+    else:
+        bm = min(128, _pow2_at_least(m))
+        bk = 64 if wide else 32
+        tiles = -(-m // bm) * -(-n // bn) * problem.v
+        k_iters = -(-k // bk)
+    warps = 8 if bm * bn >= 128 * 128 else 4
+    stages = 3 if wide else 2
+    return KernelConfig(bm, bn, bk, _splitk_for(problem, tiles, k_iters), warps, stages)
+
+
+def choose_algo(part: str, n: int, ci: int, co: int, v: int, dtype: str) -> str:
+    """What algo="auto" runs: masked implicit GEMM, split over K when the output tiles alone
+    cannot fill the GPU (few rows, or grad-weight's small [Co, Ci] per offset)."""
+    probe = Problem(n, ci, co, v, dtype, "masked_splitk", part)
+    return "masked_splitk" if heuristic_config(probe.family, probe).splitk > 1 else "masked"

@@ -1,0 +1,50 @@
+"""SubMConv3d: submanifold sparse 3D convolution as a torch module."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..geometry import ConvGeometry
+from ..ops.sparse_conv import sparse_conv
+from ..sparse_tensor import SparseTensor
+
+
+class SubMConv3d(torch.nn.Module):
+    """Output voxels = input voxels; out[i] = bias + sum_v W_v @ x[i + offset_v].
+
+    weight: Parameter [Co, Kx, Ky, Kz, Ci]. The plan comes from x.get_plan(geometry), so all
+    layers over the same coordinates and geometry share one plan (built or cached once).
+    algo: "auto" or one of flexplan.kernel_configs.ALGORITHMS; allow_tf32: float32 via TF32.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size=3, dilation=1,
+                 bias: bool = True, algo: str = "auto", allow_tf32: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        self.geometry = ConvGeometry.submanifold_conv(kernel_size, dilation)
+        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
+        self.algo, self.allow_tf32 = algo, allow_tf32
+        factory = dict(device=device, dtype=dtype)
+        self.weight = torch.nn.Parameter(
+            torch.empty((out_channels, *self.geometry.kernel_size, in_channels), **factory))
+        self.bias = torch.nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # torch.nn.Conv3d's default: uniform in +-1/sqrt(fan_in) for weight and bias.
+        bound = 1.0 / math.sqrt(self.in_channels * self.geometry.volume)
+        torch.nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: SparseTensor) -> SparseTensor:
+        if not isinstance(x, SparseTensor):
+            raise TypeError(f"SubMConv3d expects a SparseTensor, got {type(x).__name__}")
+        plan = x.get_plan(self.geometry)
+        feats = sparse_conv(x.feats, plan, self.weight, self.bias, self.algo, self.allow_tf32)
+        return x.replace_feats(feats)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.geometry.kernel_size}, "
+                f"dilation={self.geometry.dilation}, bias={self.bias is not None}, algo={self.algo!r}")

@@ -1,0 +1,231 @@
+"""Sparse convolution over a ConvPlan: the kernel launchers and the autograd Function.
+
+    out[o] = bias + sum_v W[:, v, :] @ feats[plan.fwd.neighbor_map[o, v]]
+
+Algorithms (forward and backward), selectable by name:
+  explicit         torch gather (im2col) + one matmul: the memory-hungry baseline
+  implicit         gather-GEMM kernel over all V offsets
+  implicit_splitk  the same with the reduction split over a grid axis
+  masked           gather-GEMM over the offsets each Gray-code-sorted row block has
+  masked_splitk    masked, split over K
+  auto             masked or masked_splitk, per part (fwd / dgrad / wgrad) and shape
+Grad-weight runs one kernel over the plan's per-offset pairs (split for the *_splitk
+algorithms); "explicit" uses torch for it.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..kernel_configs import ALGORITHMS, GATHER_GEMM, WGRAD, Problem, choose_algo
+from ..launcher import launch
+from ..plan import MISSING, ConvPlan, GatherMap
+from ..tuning import select_config
+
+AUTO = "auto"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dtype_name(dtype: torch.dtype, allow_tf32: bool) -> str:
+    if dtype == torch.float32 and allow_tf32:
+        return "tf32"
+    return str(dtype).removeprefix("torch.")
+
+
+def _resolve_algo(algo: str, part: str, n: int, ci: int, co: int, v: int, dtype: str) -> str:
+    return choose_algo(part, n, ci, co, v, dtype) if algo == AUTO else algo
+
+
+def _block_for(gmap: GatherMap, block_m: int) -> int:
+    """The config's row block if the plan has its schedule, else the nearest one it has."""
+    sizes = gmap.block_sizes
+    if block_m in sizes:
+        return block_m
+    if not sizes:
+        raise ValueError("plan has no masked schedule (valid_kernel); use algo='implicit'")
+    return min(sizes, key=lambda b: (abs(b - block_m), b))
+
+
+# ---------------------------------------------------------------- gather-GEMM (fwd, dgrad)
+
+def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, algo: str,
+                 allow_tf32: bool) -> torch.Tensor:
+    """out[m] = sum_v src[map[m, v]] @ W_v; W_v = W[:, v, :]^T (fwd) or W[:, v', :] (dgrad)."""
+    co, v, ci = weight.shape
+    m = gmap.num_rows
+    k, n = (ci, co) if part == "fwd" else (co, ci)
+    out = src.new_empty((m, n))
+    if m == 0:
+        return out
+    nmap = gmap.neighbor_map
+    if algo == "explicit":
+        return _explicit_gather_gemm(src, weight, bias, nmap, reverse, part)
+    problem = Problem(m, ci, co, v, _dtype_name(src.dtype, allow_tf32), algo, part)
+    cfg = select_config(GATHER_GEMM, problem)
+    masked = algo.startswith("masked")
+    if masked:
+        cfg = replace(cfg, block_m=_block_for(gmap, cfg.block_m))
+        order = gmap.sorted_idx
+        valid_kernel = gmap.valid_kernel[cfg.block_m]
+        valid_kernel_seg = gmap.valid_kernel_seg[cfg.block_m]
+    else:
+        order = valid_kernel = valid_kernel_seg = nmap  # unused by the kernel
+    # Weight [Co, V, Ci]: element (k, n) of offset w; fwd reads k = ci, n = co; dgrad k = co, n = ci.
+    stride_wk, stride_wn = (1, v * ci) if part == "fwd" else (v * ci, 1)
+    split = cfg.splitk > 1
+    acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
+    dest = torch.empty((cfg.splitk, m, n), dtype=acc_dtype, device=src.device) if split else out
+    has_bias = bias is not None and not split
+    from ..kernels_src.conv_gather_gemm import conv_gather_gemm_kernel
+
+    grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n), cfg.splitk)
+    launch(conv_gather_gemm_kernel, grid,
+           src, weight, bias if has_bias else weight, nmap, order, valid_kernel, valid_kernel_seg,
+           dest, m, k, n, v, ci, stride_wk, stride_wn,
+           MASKED=masked, REVERSE_V=reverse, HAS_BIAS=has_bias, ALLOW_TF32=allow_tf32,
+           **cfg.launch_kwargs())
+    if split:
+        total = dest.sum(0)
+        if bias is not None:
+            total += bias.to(acc_dtype)
+        out.copy_(total)
+    return out
+
+
+def _explicit_gather_gemm(src, weight, bias, nmap, reverse, part):
+    """Baseline: materialize the [M, V * K] gathered matrix, then one matmul."""
+    co, v, ci = weight.shape
+    padded = torch.cat([src, src.new_zeros((1, src.shape[1]))])  # row -1 reads zeros
+    cols = padded[nmap.long()].reshape(nmap.shape[0], -1)        # [M, V * K]
+    if part == "fwd":
+        w = weight.reshape(co, v * ci).t()
+    else:
+        w = weight.flip(1) if reverse else weight                  # [Co, V, Ci]
+        w = w.permute(1, 0, 2).reshape(v * co, ci)
+    out = cols @ w
+    return out + bias if bias is not None else out
+
+
+# ---------------------------------------------------------------- grad-weight
+
+def _wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bool):
+    co, v, ci = weight_shape
+    pairs = plan.num_pairs
+    if algo == "explicit" or pairs == 0:
+        return _explicit_wgrad(grad_out, src, plan, weight_shape)
+    problem = Problem(pairs, ci, co, v, _dtype_name(src.dtype, allow_tf32), algo, "wgrad")
+    cfg = select_config(WGRAD, problem)
+    acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
+    if cfg.splitk > 1:
+        dest = torch.empty((cfg.splitk, co, v, ci), dtype=acc_dtype, device=src.device)
+    else:
+        dest = src.new_empty((co, v, ci))
+    from ..kernels_src.conv_wgrad import conv_wgrad_kernel
+
+    grid = (_cdiv(co, cfg.block_m) * _cdiv(ci, cfg.block_n), v, cfg.splitk)
+    launch(conv_wgrad_kernel, grid,
+           grad_out, src, plan.valid_signal_o, plan.valid_signal_i, plan.valid_signal_seg, dest,
+           co, ci, v, ALLOW_TF32=allow_tf32, **cfg.launch_kwargs())
+    return dest.sum(0).to(src.dtype) if cfg.splitk > 1 else dest
+
+
+def _explicit_wgrad(grad_out, src, plan: ConvPlan, weight_shape):
+    co, v, ci = weight_shape
+    nmap = plan.fwd.neighbor_map
+    padded = torch.cat([src, src.new_zeros((1, ci))])
+    cols = padded[nmap.long()].reshape(nmap.shape[0], v * ci)   # [N_out, V * Ci]
+    return (grad_out.t() @ cols).reshape(co, v, ci)
+
+
+# ---------------------------------------------------------------- autograd
+
+class SparseConvFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, feats, weight, bias, plan: ConvPlan, algo: str, allow_tf32: bool):
+        co, v, ci = weight.shape
+        fwd_algo = _resolve_algo(algo, "fwd", plan.num_out, ci, co, v,
+                                 _dtype_name(feats.dtype, allow_tf32))
+        out = _gather_gemm(feats, weight, bias, plan.fwd, False, "fwd", fwd_algo, allow_tf32)
+        ctx.save_for_backward(feats, weight)
+        ctx.plan, ctx.algo, ctx.allow_tf32, ctx.has_bias = plan, algo, allow_tf32, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        feats, weight = ctx.saved_tensors
+        plan, algo, allow_tf32 = ctx.plan, ctx.algo, ctx.allow_tf32
+        co, v, ci = weight.shape
+        dtype = _dtype_name(feats.dtype, allow_tf32)
+        grad_out = grad_out.contiguous()
+        grad_feats = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            # Submanifold: the forward map with offsets reversed; else the plan's backward map.
+            gmap, reverse = (plan.fwd, True) if plan.bwd is None else (plan.bwd, False)
+            part_algo = _resolve_algo(algo, "dgrad", plan.num_in, ci, co, v, dtype)
+            grad_feats = _gather_gemm(grad_out, weight, None, gmap, reverse, "dgrad", part_algo,
+                                      allow_tf32)
+        if ctx.needs_input_grad[1]:
+            part_algo = _resolve_algo(algo, "wgrad", plan.num_pairs, ci, co, v, dtype)
+            grad_weight = _wgrad(grad_out, feats, plan, weight.shape, part_algo, allow_tf32)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_out.sum(0, dtype=torch.float64 if feats.dtype == torch.float64
+                                     else torch.float32).to(feats.dtype)
+        return grad_feats, grad_weight, grad_bias, None, None, None
+
+
+def _check(feats, plan, weight, bias, algo):
+    if not isinstance(plan, ConvPlan):
+        raise TypeError(f"plan must be a ConvPlan, got {type(plan).__name__}")
+    if algo != AUTO and algo not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algo!r}; choose 'auto' or one of {ALGORITHMS}")
+    if not isinstance(feats, torch.Tensor) or feats.dim() != 2:
+        raise ValueError(f"feats must be a [N, Ci] tensor, got "
+                         f"{tuple(feats.shape) if isinstance(feats, torch.Tensor) else type(feats)}")
+    if feats.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"feats must be float16, bfloat16, float32 or float64, got {feats.dtype}")
+    kernel = plan.geometry.kernel_size
+    if weight.dim() != 5:
+        raise ValueError(f"weight must have shape [Co, Kx, Ky, Kz, Ci], got {tuple(weight.shape)}")
+    if tuple(weight.shape[1:4]) != kernel:
+        raise ValueError(f"weight kernel size {tuple(weight.shape[1:4])} does not match the "
+                         f"plan's kernel_size {kernel}")
+    if feats.shape[1] != weight.shape[4]:
+        raise ValueError(f"feats has {feats.shape[1]} channels but weight expects "
+                         f"Ci = {weight.shape[4]} (weight shape {tuple(weight.shape)})")
+    if feats.shape[0] != plan.num_in:
+        raise ValueError(f"feats has {feats.shape[0]} rows but the plan expects "
+                         f"{plan.num_in} input voxels")
+    if weight.dtype != feats.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} differs from feats dtype {feats.dtype}")
+    if feats.device != plan.device:
+        raise ValueError(f"feats is on {feats.device} but the plan is on {plan.device}; "
+                         "move the plan with plan.to(device)")
+    if weight.device != feats.device:
+        raise ValueError(f"weight is on {weight.device} but feats is on {feats.device}")
+    if bias is not None:
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+        if bias.dtype != feats.dtype or bias.device != feats.device:
+            raise TypeError(f"bias ({bias.dtype}, {bias.device}) must match feats "
+                            f"({feats.dtype}, {feats.device})")
+
+
+def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
+                bias: torch.Tensor | None = None, algo: str = AUTO,
+                allow_tf32: bool = False) -> torch.Tensor:
+    """Sparse 3D convolution of feats [N_in, Ci] over `plan`; returns [N_out, Co].
+
+    weight: [Co, Kx, Ky, Kz, Ci] (the plan's kernel size); bias: [Co] or None.
+    algo: "auto" or one of ALGORITHMS. allow_tf32: float32 matmuls on TF32 tensor cores
+    (the Triton algorithms; "explicit" follows torch.backends.cuda.matmul).
+    Accumulates in fp32 (fp64 for float64 inputs).
+    """
+    _check(feats, plan, weight, bias, algo)
+    co, ci = weight.shape[0], weight.shape[4]
+    w = weight.reshape(co, -1, ci).contiguous()
+    b = bias.contiguous() if bias is not None else None
+    return SparseConvFunction.apply(feats.contiguous(), w, b, plan, algo, bool(allow_tf32))

@@ -1,0 +1,22 @@
+"""Pieces shared by the convolution kernels."""
+import os
+
+import triton
+import triton.language as tl
+
+# Triton's interpreter (CPU) gets bfloat16 tl.dot wrong (seen with Triton 3.9: results off by
+# ~1e10); there, and only there, bfloat16 operands are widened to float32 first.
+_WIDEN_BF16_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def dot_acc(a, b, acc, ALLOW_TF32: tl.constexpr):
+    """acc + a @ b with the accumulator's precision; TF32 tensor cores only when allowed."""
+    if _WIDEN_BF16_DOT and a.dtype == tl.bfloat16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if ALLOW_TF32:
+        acc = tl.dot(a, b, acc, input_precision="tf32")
+    else:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc

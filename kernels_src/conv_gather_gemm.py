@@ -1,0 +1,92 @@
+"""Gather-GEMM: out[m] = sum_v src[map[m, v]] @ W_v, the one kernel of forward and grad-input.
+
+One program computes a BLOCK_M x BLOCK_N tile of out ([M, N]); the reduction runs over
+(offset v, K-chunk) pairs, gathering the rows of src through the neighbour map on the fly
+(implicit GEMM: the [M, V*K] im2col matrix is never built).
+
+Constexpr switches (each a small, enumerable set, so the AOT build can list them):
+  MASKED:    rows are taken in the plan's Gray-code order and each block of rows only visits the
+             offsets its rows have (valid_kernel / valid_kernel_seg for BLOCK_M); else all V.
+  REVERSE_V: map column v pairs with weight offset V - 1 - v (submanifold grad-input).
+  SPLITK:    grid axis 1 splits the reduction; each split writes its fp32 partial sum to
+             out[split] of a [SPLITK, M, N] workspace that the caller reduces (and adds bias to).
+  HAS_BIAS:  add bias[n] (only when SPLITK == 1; bias_ptr is a dummy otherwise).
+  ALLOW_TF32: fp32 inputs go through TF32 tensor cores.
+
+Weight element (k, n) of offset w is weight_ptr[w * stride_wv + k * stride_wk + n * stride_wn],
+so the forward ([Co, V, Ci]: k = ci, n = co) and grad-input (k = co, n = ci) read one layout.
+"""
+import triton
+import triton.language as tl
+
+from .conv_common import dot_acc
+
+
+@triton.jit
+def conv_gather_gemm_kernel(
+    src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, valid_kernel_ptr, valid_kernel_seg_ptr,
+    out_ptr,
+    M, K, N, V, stride_wv, stride_wk, stride_wn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITK: tl.constexpr,
+    MASKED: tl.constexpr, REVERSE_V: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ALLOW_TF32: tl.constexpr,
+):
+    pid_mn = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m = pid_mn // n_tiles
+    pid_n = pid_mn % n_tiles
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    if MASKED:
+        rows = tl.load(order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        seg_start = tl.load(valid_kernel_seg_ptr + pid_m)
+        num_v = tl.load(valid_kernel_seg_ptr + pid_m + 1) - seg_start
+    else:
+        rows = offs_m.to(tl.int64)
+        seg_start = 0
+        num_v = V
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    arange_k = tl.arange(0, BLOCK_K)
+
+    # This split's share of the (offset, K-chunk) iterations.
+    num_kc = tl.cdiv(K, BLOCK_K)
+    total = num_v * num_kc
+    it_lo = total * pid_k // SPLITK
+    it_hi = total * (pid_k + 1) // SPLITK
+
+    if src_ptr.dtype.element_ty == tl.float64:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for it in range(it_lo, it_hi):
+        j = it // num_kc
+        kc = it - j * num_kc
+        if MASKED:
+            v = tl.load(valid_kernel_ptr + seg_start + j)
+        else:
+            v = j
+        nbr = tl.load(map_ptr + rows * V + v, mask=m_mask, other=-1)
+        if REVERSE_V:
+            w_off = V - 1 - v
+        else:
+            w_off = v
+        offs_k = kc * BLOCK_K + arange_k
+        k_mask = offs_k < K
+        a = tl.load(src_ptr + nbr.to(tl.int64)[:, None] * K + offs_k[None, :],
+                    mask=(nbr >= 0)[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(weight_ptr + w_off * stride_wv + offs_k[:, None] * stride_wk
+                    + offs_n[None, :] * stride_wn,
+                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = dot_acc(a, b, acc, ALLOW_TF32)
+
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLITK == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)[None, :]
+        tl.store(out_ptr + rows[:, None] * N + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N + offs_n[None, :], acc, mask=out_mask)

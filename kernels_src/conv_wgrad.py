@@ -1,0 +1,60 @@
+"""Grad-weight over the plan's (input row, output row) pairs, grouped by offset.
+
+dW[:, v, :] = sum over the pairs p of offset v of grad_out[o_p]^T in[i_p]: per offset a
+[Co, P_v] x [P_v, Ci] GEMM whose reduction runs over that offset's pairs. Grid:
+(Co tiles x Ci tiles, V, SPLITK); split s of offset v takes the s-th of SPLITK equal slices of
+its pairs. SPLITK == 1 stores dW ([Co, V, Ci], the weight's layout) in the weight dtype; else
+each split stores its fp32 partial sum into a [SPLITK, Co, V, Ci] workspace the caller reduces.
+"""
+import triton
+import triton.language as tl
+
+from .conv_common import dot_acc
+
+
+@triton.jit
+def conv_wgrad_kernel(
+    grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr, out_ptr,
+    CO, CI, V,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITK: tl.constexpr,
+    ALLOW_TF32: tl.constexpr,
+):
+    pid_mn = tl.program_id(0)
+    v = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    n_tiles = tl.cdiv(CI, BLOCK_N)
+    pid_m = pid_mn // n_tiles
+    pid_n = pid_mn % n_tiles
+
+    offs_co = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    co_mask = offs_co < CO
+    offs_ci = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ci_mask = offs_ci < CI
+    arange_p = tl.arange(0, BLOCK_K)
+
+    seg_lo = tl.load(pair_seg_ptr + v)
+    count = tl.load(pair_seg_ptr + v + 1) - seg_lo
+    p_lo = seg_lo + count * pid_k // SPLITK
+    p_hi = seg_lo + count * (pid_k + 1) // SPLITK
+
+    if src_ptr.dtype.element_ty == tl.float64:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for p in range(p_lo, p_hi, BLOCK_K):
+        offs_p = p + arange_p
+        p_mask = offs_p < p_hi
+        rows_o = tl.load(pair_out_ptr + offs_p, mask=p_mask, other=0).to(tl.int64)
+        rows_i = tl.load(pair_in_ptr + offs_p, mask=p_mask, other=0).to(tl.int64)
+        a = tl.load(grad_out_ptr + rows_o[None, :] * CO + offs_co[:, None],
+                    mask=p_mask[None, :] & co_mask[:, None], other=0.0)
+        b = tl.load(src_ptr + rows_i[:, None] * CI + offs_ci[None, :],
+                    mask=p_mask[:, None] & ci_mask[None, :], other=0.0)
+        acc = dot_acc(a, b, acc, ALLOW_TF32)
+
+    out_offs = offs_co[:, None] * (V * CI) + v * CI + offs_ci[None, :]
+    out_mask = co_mask[:, None] & ci_mask[None, :]
+    if SPLITK == 1:
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptr + pid_k.to(tl.int64) * CO * V * CI + out_offs, acc, mask=out_mask)

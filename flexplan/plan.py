@@ -50,11 +50,18 @@ class GatherMap:
     def block_sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self.valid_kernel))
 
+    def map_tensors(self, fn) -> "GatherMap":
+        return GatherMap(fn(self.neighbor_map), fn(self.sorted_idx),
+                         {b: fn(t) for b, t in self.valid_kernel.items()},
+                         {b: fn(t) for b, t in self.valid_kernel_seg.items()})
+
     def to(self, device, non_blocking: bool = False) -> "GatherMap":
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return GatherMap(move(self.neighbor_map), move(self.sorted_idx),
-                         {b: move(t) for b, t in self.valid_kernel.items()},
-                         {b: move(t) for b, t in self.valid_kernel_seg.items()})
+        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def __reduce__(self):
+        # mappingproxy does not pickle; DataLoader workers hand plans to the main process.
+        return (GatherMap, (self.neighbor_map, self.sorted_idx, dict(self.valid_kernel),
+                            dict(self.valid_kernel_seg)))
 
 
 @dataclass(frozen=True)
@@ -98,15 +105,21 @@ class ConvPlan:
     def device(self) -> torch.device:
         return self.fwd.neighbor_map.device
 
+    def map_tensors(self, fn) -> "ConvPlan":
+        """The same plan with fn applied to every tensor."""
+        return replace(self, out_coords=fn(self.out_coords), fwd=self.fwd.map_tensors(fn),
+                       bwd=None if self.bwd is None else self.bwd.map_tensors(fn),
+                       valid_signal_i=fn(self.valid_signal_i),
+                       valid_signal_o=fn(self.valid_signal_o),
+                       valid_signal_seg=fn(self.valid_signal_seg))
+
     def to(self, device, non_blocking: bool = False) -> "ConvPlan":
         """The same plan with every tensor on `device` (pinned sources copy asynchronously)."""
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return replace(self, out_coords=move(self.out_coords),
-                       fwd=self.fwd.to(device, non_blocking),
-                       bwd=None if self.bwd is None else self.bwd.to(device, non_blocking),
-                       valid_signal_i=move(self.valid_signal_i),
-                       valid_signal_o=move(self.valid_signal_o),
-                       valid_signal_seg=move(self.valid_signal_seg))
+        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "ConvPlan":
+        """Page-locked copy; DataLoader(pin_memory=True) calls this on plans in a batch."""
+        return self.map_tensors(lambda t: t.pin_memory())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the plan under a flat, stable name (for serialization and equality)."""

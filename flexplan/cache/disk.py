@@ -1,0 +1,180 @@
+"""Disk layer: one file per plan in a directory shared by every process of the user.
+
+Readers take no lock: writers publish with os.replace, so a reader sees a whole old file, a whole
+new one, or none. Builders take a per-key file lock so that N processes asking for the same
+missing plan build it once; the others wait, then load. The directory is kept under a byte cap
+by evicting the least recently used files (hits touch mtime, which survives noatime mounts).
+A directory that cannot be written (read-only, full, no permission) turns the writes off with one
+warning; reading and convolving go on.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import filelock
+
+from .format import SUFFIX, PlanFileError, read_plan, write_plan
+
+LOCK_TIMEOUT_S = 600.0  # a builder that slow is stuck or huge: build anyway rather than hang
+_TEMP_PREFIX = ".tmp-"
+_STALE_TEMP_S = 3600.0  # temp files of crashed writers older than this are removed by eviction
+# Errors that mean "this directory cannot take writes", as opposed to bugs.
+_UNWRITABLE = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENOENT,
+               errno.ENOTDIR, errno.EEXIST}
+
+
+class DiskCache:
+    def __init__(self, directory: str | os.PathLike, max_bytes: int):
+        self.directory = Path(directory)
+        self.max_bytes = int(max_bytes)
+        self.writable = True
+        self.errors = 0
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}{SUFFIX}"
+
+    # ---- reading -------------------------------------------------------------------------
+    def load(self, key: str, device, accept=None):
+        """(plan, header), (None, header) if accept declined, or (None, None) if absent.
+
+        Raises PlanFileError for a corrupt, truncated or foreign file.
+        """
+        path = self.path(key)
+        try:
+            plan, header = read_plan(path, device, expect_key=key, accept=accept)
+        except FileNotFoundError:
+            return None, None
+        if plan is not None:
+            with contextlib.suppress(OSError):
+                os.utime(path)  # LRU recency; a read-only directory just keeps the old time
+        return plan, header
+
+    def remove(self, key: str) -> None:
+        with contextlib.suppress(OSError):
+            self.path(key).unlink()
+
+    # ---- writing -------------------------------------------------------------------------
+    def _disable(self, exc: OSError) -> None:
+        self.errors += 1
+        if self.writable:
+            self.writable = False
+            warnings.warn(f"flexplan plan cache: cannot write to {self.directory} ({exc}); "
+                          "keeping plans in memory only for this process", RuntimeWarning, stacklevel=4)
+
+    def _writable_error(self, exc: OSError) -> bool:
+        if exc.errno in _UNWRITABLE or isinstance(exc, PermissionError):
+            self._disable(exc)
+            return True
+        return False
+
+    @contextlib.contextmanager
+    def build_lock(self, key: str):
+        """Held while building `key`; a no-op where locks cannot be created."""
+        if not self.writable:
+            yield
+            return
+        try:
+            lock_dir = self.directory / "locks"
+            lock_dir.mkdir(parents=True, exist_ok=True)
+            # 256 lock stripes by key prefix: a bounded set of lock files that are never deleted
+            # (deleting a lock file others hold breaks exclusion); a shared stripe only delays.
+            lock = filelock.FileLock(str(lock_dir / f"{key[:2]}.lock"), timeout=LOCK_TIMEOUT_S)
+            lock.acquire()
+        except filelock.Timeout:
+            yield
+            return
+        except OSError as exc:
+            if not self._writable_error(exc):
+                raise
+            yield
+            return
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def store(self, key: str, plan, extra: dict | None = None) -> bool:
+        """Write the plan atomically; False (and writes off) if the directory refuses."""
+        if not self.writable:
+            return False
+        tmp = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=_TEMP_PREFIX, suffix=SUFFIX)
+            with os.fdopen(fd, "wb") as out:
+                write_plan(out, plan, key, extra)
+            os.replace(tmp, self.path(key))
+            tmp = None
+        except OSError as exc:
+            if not self._writable_error(exc):
+                raise
+            return False
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        self.evict(self.max_bytes)
+        return True
+
+    # ---- maintenance ---------------------------------------------------------------------
+    def entries(self) -> list[tuple[Path, int, float]]:
+        """(path, bytes, mtime) of every plan file, least recently used first."""
+        found = []
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for entry in os.scandir(self.directory):
+                if entry.name.endswith(SUFFIX) and not entry.name.startswith(_TEMP_PREFIX):
+                    with contextlib.suppress(FileNotFoundError):
+                        st = entry.stat()
+                        found.append((Path(entry.path), st.st_size, st.st_mtime))
+        return sorted(found, key=lambda e: e[2])
+
+    def total_bytes(self) -> int:
+        return sum(size for _, size, _ in self.entries())
+
+    def evict(self, max_bytes: int) -> list[Path]:
+        """Remove least recently used files until the rest fit in max_bytes; returns the removed."""
+        removed = []
+        files = self.entries()
+        total = sum(size for _, size, _ in files)
+        for path, size, _ in files:
+            if total <= max_bytes:
+                break
+            with contextlib.suppress(FileNotFoundError):  # another process evicted it first
+                path.unlink()
+                removed.append(path)
+            total -= size
+        self._remove_stale_temps()
+        return removed
+
+    def _remove_stale_temps(self) -> None:
+        now = time.time()
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.directory):
+                if entry.name.startswith(_TEMP_PREFIX):
+                    with contextlib.suppress(OSError):
+                        if now - entry.stat().st_mtime > _STALE_TEMP_S:
+                            os.unlink(entry.path)
+
+    def clear(self) -> int:
+        """Remove every plan file; returns how many."""
+        return len(self.evict(0))
+
+
+def verify_file(path: str | os.PathLike) -> str | None:
+    """None if the file loads and checks out, else what is wrong with it."""
+    try:
+        read_plan(path, "cpu", expect_key=Path(path).name.removesuffix(SUFFIX))
+    except PlanFileError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"unreadable: {exc}"
+    return None
+
+
+__all__ = ["DiskCache", "PlanFileError", "verify_file"]

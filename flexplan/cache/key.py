@@ -1,0 +1,71 @@
+"""Cache key of a plan: a 128-bit hash of everything the plan depends on.
+
+The coordinates are hashed where they live (GPU or CPU) with a few elementwise torch ops and two
+sums, so the key costs a small fraction of building the plan and moves only 16 bytes to the host.
+Each int64 word (two int32 coordinate entries) is XORed with its position times an odd constant,
+so order matters, then scrambled by a splitmix64-style finalizer; the words' sum modulo 2**64 is
+one 64-bit lane. Two lanes with independent constants give 128 bits. The scalars (N, batch size,
+spatial shape, every geometry field, plan and file format versions) are hashed with blake2b
+together with the lanes. This is a fast hash, not a cryptographic one: the file header repeats
+N and the geometry and the loader checks them (see format.py and disk.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+
+import torch
+
+from ..geometry import ConvGeometry
+from ..plan import PLAN_FORMAT_VERSION
+from .format import FILE_FORMAT_VERSION
+
+
+def _signed(value: int) -> int:
+    """A 64-bit constant as the int64 torch holds it."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# (position multiplier, finalizer multipliers) per lane; splitmix64 and murmur3 fmix64 constants.
+_LANES = (
+    (_signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)),
+    (_signed(0xC2B2AE3D27D4EB4F), _signed(0xFF51AFD7ED558CCD), _signed(0xC4CEB9FE1A85EC53)),
+)
+
+
+def _shift_right_logical(x: torch.Tensor, bits: int) -> torch.Tensor:
+    # torch's >> on int64 is arithmetic; mask the sign-extended bits away.
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _finalize(x: torch.Tensor, mul1: int, mul2: int) -> torch.Tensor:
+    x = x ^ _shift_right_logical(x, 30)
+    x = x * mul1  # int64 multiplication wraps modulo 2**64 (two's complement) on CPU and GPU
+    x = x ^ _shift_right_logical(x, 27)
+    x = x * mul2
+    return x ^ _shift_right_logical(x, 31)
+
+
+def coords_digest(coords: torch.Tensor) -> tuple[int, int]:
+    """Two 64-bit lanes over the coordinate rows, in order; computed on coords' device."""
+    flat = coords.contiguous().reshape(-1)
+    if flat.numel() % 2:  # pad to whole int64 words (never for [N, 4] int32)
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    words = flat.view(torch.int64) if flat.element_size() == 4 else flat.to(torch.int64)
+    position = torch.arange(words.numel(), device=words.device, dtype=torch.int64)
+    lanes = [_finalize(words ^ (position * step), m1, m2).sum() for step, m1, m2 in _LANES]
+    return tuple(int(v) & ((1 << 64) - 1) for v in torch.stack(lanes).tolist())  # one sync
+
+
+def plan_key(coords: torch.Tensor, spatial_shape, batch_size: int, geometry: ConvGeometry) -> str:
+    """32 hex digits naming the plan of `geometry` over `coords` (any device, same key)."""
+    scalars = {
+        "plan_version": PLAN_FORMAT_VERSION, "file_version": FILE_FORMAT_VERSION,
+        "coords": [str(coords.dtype), list(coords.shape)], "batch_size": int(batch_size),
+        "spatial_shape": [int(s) for s in spatial_shape], "geometry": asdict(geometry),
+    }
+    h = hashlib.blake2b(json.dumps(scalars, sort_keys=True).encode(), digest_size=16)
+    for lane in coords_digest(coords):
+        h.update(lane.to_bytes(8, "little"))
+    return h.hexdigest()

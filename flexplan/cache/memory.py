@@ -1,0 +1,72 @@
+"""In-process layer: least-recently-used plans, bounded by the bytes their tensors hold.
+
+Entries are keyed by (plan key, device), since a plan's tensors live on one device. Entries put
+with pinned=True (plans a server loaded with load_plans) are never evicted, only cleared.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from ..plan import ConvPlan
+from .format import plan_nbytes
+
+
+class MemoryCache:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self._entries: OrderedDict[tuple[str, torch.device], tuple[ConvPlan, int, bool]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # DataLoader threads and user threads may share the cache
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str, device: torch.device) -> ConvPlan | None:
+        with self._lock:
+            entry = self._entries.get((key, device))
+            if entry is None:
+                return None
+            self._entries.move_to_end((key, device))
+            return entry[0]
+
+    def put(self, key: str, plan: ConvPlan, pinned: bool = False) -> None:
+        size = plan_nbytes(plan)
+        if size > self.max_bytes and not pinned:
+            return  # would evict everything else and still not fit
+        with self._lock:
+            old = self._entries.pop((key, plan.device), None)
+            if old is not None:
+                self._bytes -= old[1]
+            self._entries[(key, plan.device)] = (plan, size, pinned)
+            self._bytes += size
+            self._evict()
+
+    def _evict(self) -> None:
+        for slot in list(self._entries):
+            if self._bytes <= self.max_bytes:
+                break
+            plan, size, pinned = self._entries[slot]
+            if not pinned:
+                del self._entries[slot]
+                self._bytes -= size
+
+    def resize(self, max_bytes: int) -> None:
+        with self._lock:
+            self.max_bytes = int(max_bytes)
+            self._evict()
+
+    def items(self):
+        with self._lock:
+            return [(key, plan) for (key, _), (plan, _, _) in self._entries.items()]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0

@@ -1,0 +1,276 @@
+"""PlanCache: the in-process LRU in front of the shared disk directory, and the build-once path."""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+
+from .. import paths
+from ..geometry import ConvGeometry, triple
+from ..plan import ConvPlan
+from ..sparse_tensor import SparseTensorError, check_coords
+from .disk import DiskCache
+from .format import SUFFIX, PlanFileError, plan_nbytes, read_plan, write_plan
+from .key import plan_key
+from .memory import MemoryCache
+from .policy import Policy
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_layout(coords) -> None:
+    # The key hashes the raw int32 rows; anything else must fail here, not hash differently.
+    if not isinstance(coords, torch.Tensor) or coords.dtype != torch.int32 or coords.dim() != 2 \
+            or coords.shape[1] != 4:
+        raise SparseTensorError("coords must be an int32 torch.Tensor of shape [N, 4], got "
+                                f"{getattr(coords, 'dtype', type(coords).__name__)} "
+                                f"{tuple(getattr(coords, 'shape', ()))}")
+
+
+def _matches(plan: ConvPlan, coords, spatial_shape, batch_size, geometry) -> bool:
+    """Does a loaded plan belong to this request? Guards against key collisions."""
+    if (plan.geometry != geometry or plan.batch_size != batch_size or plan.num_in != coords.shape[0]
+            or tuple(plan.in_spatial_shape) != tuple(spatial_shape)):
+        return False
+    # Submanifold plans carry their input coords: compare them exactly (cheap next to a load).
+    return not geometry.submanifold or torch.equal(plan.out_coords, coords)
+
+
+class PlanCache:
+    """Plans by key: memory (per process, LRU by bytes), then disk (shared, LRU by bytes).
+
+    directory: the disk layer's directory; None follows flexplan.paths.plan_cache_dir(), i.e.
+    $FLEXPLAN_CACHE_DIR/plans or the per-user cache directory.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None, policy: Policy | None = None):
+        self.policy = policy or Policy()
+        self.memory = MemoryCache(self.policy.max_memory_bytes)
+        self._directory = directory
+        self._disks: dict[Path, DiskCache] = {}
+        self._counts: Counter = Counter()
+        self._seconds: Counter = Counter()
+        self._keys: dict[int, tuple[weakref.ref, str]] = {}  # id(plan) -> key, for save_plans
+        self._lock = threading.Lock()
+
+    # ---- configuration -------------------------------------------------------------------
+    @property
+    def directory(self) -> Path:
+        return Path(self._directory) if self._directory is not None else paths.plan_cache_dir()
+
+    @property
+    def disk(self) -> DiskCache:
+        directory = self.directory
+        disk = self._disks.get(directory)
+        if disk is None:
+            disk = self._disks[directory] = DiskCache(directory, self.policy.max_disk_bytes)
+        disk.max_bytes = self.policy.max_disk_bytes
+        return disk
+
+    def configure(self, *, mode: str | None = None, directory: str | os.PathLike | None = None,
+                  max_disk_bytes: int | None = None, max_memory_bytes: int | None = None) -> None:
+        """Change settings at run time (defaults come from the environment, see policy.py)."""
+        if mode is not None:
+            self.policy.mode = mode
+            self.policy.__post_init__()
+        if directory is not None:
+            self._directory = directory
+        if max_disk_bytes is not None:
+            self.policy.max_disk_bytes = int(max_disk_bytes)
+        if max_memory_bytes is not None:
+            self.policy.max_memory_bytes = int(max_memory_bytes)
+            self.memory.resize(max_memory_bytes)
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+    def _count(self, what: str, seconds: float | None = None) -> None:
+        with self._lock:
+            self._counts[what] += 1
+            if seconds is not None:
+                self._seconds[what] += seconds
+
+    def _remember(self, key: str, plan: ConvPlan) -> ConvPlan:
+        ident = id(plan)
+        with self._lock:
+            self._keys[ident] = (weakref.ref(plan, lambda _: self._keys.pop(ident, None)), key)
+        return plan
+
+    def key_of(self, plan: ConvPlan) -> str | None:
+        """The key of a plan this cache handed out, if it is still alive."""
+        ref, key = self._keys.get(id(plan), (None, None))
+        return key if ref is not None and ref() is plan else None
+
+    def stats(self) -> dict:
+        """Counts (memory/disk hits, misses, builds, disk writes, corrupt files, ...), seconds
+        spent per kind of event, and the bytes held in memory and on disk."""
+        with self._lock:
+            out = dict(self._counts)
+            out.update({f"{k}_seconds": v for k, v in self._seconds.items()})
+        disk = self.disk
+        out.update(memory_bytes=self.memory.nbytes, memory_entries=len(self.memory),
+                   disk_bytes=disk.total_bytes(), disk_writable=disk.writable,
+                   directory=str(disk.directory), mode=self.policy.mode)
+        return out
+
+    def clear(self, disk: bool = False) -> None:
+        """Forget the in-memory plans and the counters; with disk=True delete the files too."""
+        self.memory.clear()
+        with self._lock:
+            self._counts.clear()
+            self._seconds.clear()
+        if disk:
+            self.disk.clear()
+
+    # ---- lookups -------------------------------------------------------------------------
+    def key(self, coords, spatial_shape, batch_size, geometry) -> str:
+        _check_layout(coords)
+        start = time.perf_counter()
+        key = plan_key(coords, triple(spatial_shape, "spatial_shape"), batch_size, geometry)
+        self._count("keys", time.perf_counter() - start)
+        return key
+
+    def _load(self, key, coords, shape, batch_size, geometry, locked: bool) -> ConvPlan | None:
+        """The plan from disk if there, valid, matching and worth loading; else None."""
+        disk, device = self.disk, coords.device
+        work = coords.shape[0] * geometry.volume
+
+        file_bytes = []
+
+        def accept(header, nbytes):
+            file_bytes.append(nbytes)
+            return self.policy.worth_loading(device.type, work, nbytes, header)
+
+        start = time.perf_counter()
+        try:
+            plan, header = disk.load(key, device, accept)
+        except (PlanFileError, OSError) as exc:
+            if not locked:
+                return None  # decide under the key's lock, after others had their chance
+            self._count("corrupt")
+            warnings.warn(f"flexplan plan cache: {disk.path(key)} is unusable ({exc}); "
+                          "removing it and rebuilding", RuntimeWarning, stacklevel=4)
+            disk.remove(key)
+            return None
+        if plan is None:
+            if header is not None:
+                self._count("disk_skipped")  # rebuilding is faster here
+            return None
+        _sync(device)
+        seconds = time.perf_counter() - start
+        if not _matches(plan, coords, shape, batch_size, geometry):
+            self._count("collisions")
+            return None
+        self.policy.record_load(device.type, file_bytes[0], seconds)
+        self._count("disk_hits", seconds)
+        return plan
+
+    def get(self, coords, spatial_shape, batch_size: int, geometry: ConvGeometry,
+            key: str | None = None) -> ConvPlan | None:
+        """The cached plan (memory, then disk) or None; never builds."""
+        shape = triple(spatial_shape, "spatial_shape")
+        key = key or self.key(coords, shape, batch_size, geometry)
+        plan = self.memory.get(key, coords.device)
+        if plan is not None:
+            self._count("memory_hits")
+            return plan
+        if self.policy.mode == "never":
+            return None
+        plan = self._load(key, coords, shape, batch_size, geometry, locked=False)
+        if plan is not None:
+            self.memory.put(key, plan)
+            self._remember(key, plan)
+        return plan
+
+    def put(self, coords, spatial_shape, batch_size: int, geometry: ConvGeometry, plan: ConvPlan,
+            key: str | None = None, build_seconds: float | None = None) -> str:
+        """Cache a plan built elsewhere, in memory and (unless mode is never) on disk."""
+        shape = triple(spatial_shape, "spatial_shape")
+        key = key or self.key(coords, shape, batch_size, geometry)
+        self.memory.put(key, plan)
+        self._remember(key, plan)
+        store = (self.policy.mode != "never" if build_seconds is None else
+                 self.policy.worth_storing(plan.device.type, build_seconds, plan_nbytes(plan)))
+        if store:
+            extra = {"built_on": plan.device.type, "build_seconds": build_seconds or 0.0}
+            if self.disk.store(key, plan, extra):
+                self._count("disk_writes")
+        return key
+
+    def get_or_build(self, coords, spatial_shape, batch_size: int, geometry: ConvGeometry, *,
+                     backend: str = "auto", check: bool = True) -> ConvPlan:
+        """The plan of `geometry` over `coords`: from memory, from disk, or built (once across
+        processes sharing the directory) and cached."""
+        from ..planner import build_plan
+
+        _check_layout(coords)
+        shape = triple(spatial_shape, "spatial_shape")
+        if check:
+            check_coords(coords, shape, batch_size)
+        key = self.key(coords, shape, batch_size, geometry)
+        plan = self.get(coords, shape, batch_size, geometry, key=key)
+        if plan is not None:
+            return plan
+        use_disk = self.policy.mode != "never"
+        with self.disk.build_lock(key) if use_disk else contextlib.nullcontext():
+            if use_disk:  # whoever held the lock before us may have stored it
+                plan = self._load(key, coords, shape, batch_size, geometry, locked=True)
+                if plan is not None:
+                    self.memory.put(key, plan)
+                    return self._remember(key, plan)
+            self._count("misses")
+            start = time.perf_counter()
+            plan = build_plan(coords, shape, batch_size, geometry, backend=backend, check=False)
+            _sync(coords.device)
+            seconds = time.perf_counter() - start
+            self._count("builds", seconds)
+            self.policy.record_build(coords.device.type, coords.shape[0] * geometry.volume, seconds)
+            self.put(coords, shape, batch_size, geometry, plan, key=key, build_seconds=seconds)
+        return plan
+
+    # ---- shipping plans with a model -----------------------------------------------------
+    def save_plans(self, directory: str | os.PathLike,
+                   plans: Mapping[str, ConvPlan] | Iterable[ConvPlan]) -> list[str]:
+        """Write plans (key -> plan, or plans this cache handed out) to `directory`; their keys."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        items = plans.items() if isinstance(plans, Mapping) else [(self.key_of(p), p) for p in plans]
+        keys = []
+        for key, plan in items:
+            if key is None:
+                raise ValueError("save_plans: a plan was not made by this plan cache (or was "
+                                 "freed); pass a {key: plan} mapping, keys from plan_cache.key()")
+            tmp = directory / f".tmp-{key}{SUFFIX}"
+            with open(tmp, "wb") as out:
+                write_plan(out, plan, key)
+            os.replace(tmp, directory / f"{key}{SUFFIX}")
+            keys.append(key)
+        return keys
+
+    def load_plans(self, directory: str | os.PathLike, device=None) -> dict[str, ConvPlan]:
+        """Load every plan file of `directory` onto `device` and keep them in memory for good
+        (never evicted); cached_plan then finds them. Bad files are reported and skipped."""
+        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as coords report it
+        loaded = {}
+        for path in sorted(Path(directory).glob(f"*{SUFFIX}")):
+            if path.name.startswith(".tmp-"):
+                continue
+            try:
+                plan, header = read_plan(path, device, expect_key=path.name.removesuffix(SUFFIX))
+            except (PlanFileError, OSError) as exc:
+                warnings.warn(f"flexplan.load_plans: skipping {path} ({exc})", RuntimeWarning,
+                              stacklevel=2)
+                continue
+            self.memory.put(header["key"], plan, pinned=True)
+            loaded[header["key"]] = self._remember(header["key"], plan)
+        return loaded
+

@@ -1,7 +1,6 @@
 """PlanCache: the in-process LRU in front of the shared disk directory, and the build-once path."""
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -139,11 +138,11 @@ class PlanCache:
         self._count("keys", time.perf_counter() - start)
         return key
 
-    def _load(self, key, coords, shape, batch_size, geometry, locked: bool) -> ConvPlan | None:
-        """The plan from disk if there, valid, matching and worth loading; else None."""
+    def _load(self, key, coords, shape, batch_size, geometry, locked: bool):
+        """(plan, None) from disk, or (None, why): "absent", "skipped" (rebuilding is faster
+        here), "bad" (corrupt or foreign file; removed with a warning when locked)."""
         disk, device = self.disk, coords.device
         work = coords.shape[0] * geometry.volume
-
         file_bytes = []
 
         def accept(header, nbytes):
@@ -154,46 +153,46 @@ class PlanCache:
         try:
             plan, header = disk.load(key, device, accept)
         except (PlanFileError, OSError) as exc:
-            if not locked:
-                return None  # decide under the key's lock, after others had their chance
-            self._count("corrupt")
-            warnings.warn(f"flexplan plan cache: {disk.path(key)} is unusable ({exc}); "
-                          "removing it and rebuilding", RuntimeWarning, stacklevel=4)
-            disk.remove(key)
-            return None
+            if locked:  # unlocked, a writer may be replacing it: decide under the lock
+                self._count("corrupt")
+                warnings.warn(f"flexplan plan cache: {disk.path(key)} is unusable ({exc}); "
+                              "removing it and rebuilding", RuntimeWarning, stacklevel=4)
+                disk.remove(key)
+            return None, "bad"
         if plan is None:
-            if header is not None:
-                self._count("disk_skipped")  # rebuilding is faster here
-            return None
+            if header is None:
+                return None, "absent"
+            self._count("disk_skipped")
+            return None, "skipped"
         _sync(device)
         seconds = time.perf_counter() - start
         if not _matches(plan, coords, shape, batch_size, geometry):
-            self._count("collisions")
-            return None
+            self._count("collisions")  # the build below overwrites it
+            return None, "bad"
         self.policy.record_load(device.type, file_bytes[0], seconds)
         self._count("disk_hits", seconds)
-        return plan
+        self.memory.put(key, plan)
+        return self._remember(key, plan), None
 
-    def get(self, coords, spatial_shape, batch_size: int, geometry: ConvGeometry,
-            key: str | None = None) -> ConvPlan | None:
-        """The cached plan (memory, then disk) or None; never builds."""
-        shape = triple(spatial_shape, "spatial_shape")
-        key = key or self.key(coords, shape, batch_size, geometry)
-        plan = self.memory.get(key, coords.device)
+    def _memory_get(self, key, device) -> ConvPlan | None:
+        plan = self.memory.get(key, device)
         if plan is not None:
             self._count("memory_hits")
-            return plan
-        if self.policy.mode == "never":
-            return None
-        plan = self._load(key, coords, shape, batch_size, geometry, locked=False)
-        if plan is not None:
-            self.memory.put(key, plan)
-            self._remember(key, plan)
+        return plan
+
+    def get(self, coords, spatial_shape, batch_size: int, geometry: ConvGeometry) -> ConvPlan | None:
+        """The cached plan (memory, then disk) or None; never builds."""
+        shape = triple(spatial_shape, "spatial_shape")
+        key = self.key(coords, shape, batch_size, geometry)
+        plan = self._memory_get(key, coords.device)
+        if plan is None and self.policy.mode != "never":
+            plan, _ = self._load(key, coords, shape, batch_size, geometry, locked=False)
         return plan
 
     def put(self, coords, spatial_shape, batch_size: int, geometry: ConvGeometry, plan: ConvPlan,
             key: str | None = None, build_seconds: float | None = None) -> str:
-        """Cache a plan built elsewhere, in memory and (unless mode is never) on disk."""
+        """Cache a plan built elsewhere, in memory and (unless mode is never) on disk; with
+        build_seconds, on disk only where the policy finds loading it faster than that."""
         shape = triple(spatial_shape, "spatial_shape")
         key = key or self.key(coords, shape, batch_size, geometry)
         self.memory.put(key, plan)
@@ -206,36 +205,46 @@ class PlanCache:
                 self._count("disk_writes")
         return key
 
+    def _build(self, key, coords, shape, batch_size, geometry, backend, store: bool) -> ConvPlan:
+        from ..planner import build_plan
+
+        self._count("misses")
+        start = time.perf_counter()
+        plan = build_plan(coords, shape, batch_size, geometry, backend=backend, check=False)
+        _sync(coords.device)
+        seconds = time.perf_counter() - start
+        self._count("builds", seconds)
+        self.policy.record_build(coords.device.type, coords.shape[0] * geometry.volume, seconds)
+        if store:
+            self.put(coords, shape, batch_size, geometry, plan, key=key, build_seconds=seconds)
+        else:
+            self.memory.put(key, plan)
+            self._remember(key, plan)
+        return plan
+
     def get_or_build(self, coords, spatial_shape, batch_size: int, geometry: ConvGeometry, *,
                      backend: str = "auto", check: bool = True) -> ConvPlan:
         """The plan of `geometry` over `coords`: from memory, from disk, or built (once across
         processes sharing the directory) and cached."""
-        from ..planner import build_plan
-
         _check_layout(coords)
         shape = triple(spatial_shape, "spatial_shape")
         if check:
             check_coords(coords, shape, batch_size)
         key = self.key(coords, shape, batch_size, geometry)
-        plan = self.get(coords, shape, batch_size, geometry, key=key)
+        plan = self._memory_get(key, coords.device)
         if plan is not None:
             return plan
-        use_disk = self.policy.mode != "never"
-        with self.disk.build_lock(key) if use_disk else contextlib.nullcontext():
-            if use_disk:  # whoever held the lock before us may have stored it
-                plan = self._load(key, coords, shape, batch_size, geometry, locked=True)
-                if plan is not None:
-                    self.memory.put(key, plan)
-                    return self._remember(key, plan)
-            self._count("misses")
-            start = time.perf_counter()
-            plan = build_plan(coords, shape, batch_size, geometry, backend=backend, check=False)
-            _sync(coords.device)
-            seconds = time.perf_counter() - start
-            self._count("builds", seconds)
-            self.policy.record_build(coords.device.type, coords.shape[0] * geometry.volume, seconds)
-            self.put(coords, shape, batch_size, geometry, plan, key=key, build_seconds=seconds)
-        return plan
+        args = (key, coords, shape, batch_size, geometry)
+        if self.policy.mode == "never":
+            return self._build(*args, backend, store=False)
+        plan, why = self._load(*args, locked=False)
+        if plan is not None:
+            return plan
+        if why == "skipped":  # on disk already, but rebuilding is faster here
+            return self._build(*args, backend, store=False)
+        with self.disk.build_lock(key):
+            plan, why = self._load(*args, locked=True)  # the previous holder may have stored it
+            return plan if plan is not None else self._build(*args, backend, store=why != "skipped")
 
     # ---- shipping plans with a model -----------------------------------------------------
     def save_plans(self, directory: str | os.PathLike,

@@ -1,0 +1,245 @@
+"""Plan cache layers: memory and disk hits, damaged files, unwritable or full disks, eviction,
+the cost policy, shipping plans with a model, and the CLI."""
+import errno
+import os
+import time
+import warnings
+
+import pytest
+import torch
+
+import flexplan.cache.disk as disk_module
+from flexplan import ConvGeometry, SparseTensor, build_plan
+from flexplan.cache import PlanCache, cli
+from flexplan.cache.format import write_plan
+from flexplan.cache.policy import Policy
+from flexplan.ops import sparse_conv
+from flexplan.planner.offsets import kernel_offsets
+from test_cache_format import SHAPE, assert_same_plan, make_coords
+
+GEOM = ConvGeometry.submanifold_conv(3)
+
+
+def cache_at(directory, mode="always", **policy):
+    return PlanCache(directory, Policy(mode=mode, **policy))
+
+
+def reference_subm_conv(feats, coords, weight, geometry):
+    """float64 out[i] = sum_v W_v feats[j] with coords[j] = coords[i] + offset_v, by dict lookup
+    (independent of every planner)."""
+    rows = {tuple(c): j for j, c in enumerate(coords.tolist())}
+    offsets = kernel_offsets(geometry).tolist()
+    w = weight.double().reshape(weight.shape[0], -1, weight.shape[-1])
+    out = torch.zeros(coords.shape[0], weight.shape[0], dtype=torch.float64)
+    for i, (b, x, y, z) in enumerate(coords.tolist()):
+        for v, (dx, dy, dz) in enumerate(offsets):
+            j = rows.get((b, x + dx, y + dy, z + dz))
+            if j is not None:
+                out[i] += w[:, v, :] @ feats[j].double()
+    return out
+
+
+def check_conv(plan, coords, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(coords.shape[0], 4, generator=g, dtype=torch.float64)
+    weight = torch.randn(5, 3, 3, 3, 4, generator=g, dtype=torch.float64)
+    out = sparse_conv(feats, plan, weight, algo="explicit")
+    torch.testing.assert_close(out, reference_subm_conv(feats, coords, weight, GEOM))
+
+
+def test_memory_then_disk_then_build(tmp_path):
+    coords = make_coords()
+    cache = cache_at(tmp_path)
+    plan = cache.get_or_build(coords, SHAPE, 2, GEOM)
+    assert cache.get_or_build(coords, SHAPE, 2, GEOM) is plan
+    assert cache.stats()["builds"] == 1 and cache.stats()["memory_hits"] == 1
+    fresh = cache_at(tmp_path)  # another process: empty memory, same directory
+    loaded = fresh.get_or_build(coords.clone(), SHAPE, 2, GEOM)
+    assert fresh.stats().get("builds", 0) == 0 and fresh.stats()["disk_hits"] == 1
+    assert_same_plan(plan, loaded)
+    check_conv(loaded, coords)
+
+
+def test_sparse_tensor_uses_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXPLAN_CACHE_DIR", str(tmp_path))
+    from flexplan.cache import plan_cache
+
+    coords = make_coords(seed=5)
+    before = plan_cache.stats().get("builds", 0)
+    for _ in range(2):  # two tensors over the same coords: one build
+        st = SparseTensor(torch.randn(coords.shape[0], 2), coords, SHAPE, 2)
+        assert_same_plan(st.get_plan(GEOM), build_plan(coords, SHAPE, 2, GEOM))
+    assert plan_cache.stats()["builds"] == before + 1
+    assert list((tmp_path / "plans").glob("*.fxplan")) or plan_cache.policy.mode != "always"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "foreign"])
+def test_damaged_file_warns_once_is_removed_and_rebuilt(tmp_path, damage):
+    coords = make_coords()
+    cache = cache_at(tmp_path)
+    plan = cache.get_or_build(coords, SHAPE, 2, GEOM)
+    path = cache.disk.path(cache.key(coords, SHAPE, 2, GEOM))
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "bitflip":
+        data[len(data) - 333] ^= 0x04
+    else:
+        data = bytearray(os.urandom(len(data)))
+    path.write_bytes(bytes(data))
+    fresh = cache_at(tmp_path)
+    with pytest.warns(RuntimeWarning, match="unusable") as caught:
+        rebuilt = fresh.get_or_build(coords, SHAPE, 2, GEOM)
+    assert len([w for w in caught if "plan cache" in str(w.message)]) == 1
+    assert fresh.stats()["corrupt"] == 1 and fresh.stats()["builds"] == 1
+    assert_same_plan(plan, rebuilt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the rewritten file is sound: no more warnings
+        assert_same_plan(plan, cache_at(tmp_path).get_or_build(coords, SHAPE, 2, GEOM))
+
+
+def test_file_of_other_coords_under_this_key_is_not_used(tmp_path):
+    """A (simulated) key collision: header checks out but N / coords differ -> rebuilt."""
+    coords, other = make_coords(seed=1), make_coords(seed=2, num=200)
+    cache = cache_at(tmp_path)
+    key = cache.key(coords, SHAPE, 2, GEOM)
+    with open(cache.disk.path(key), "wb") as out:
+        write_plan(out, build_plan(other, SHAPE, 2, GEOM), key)
+    plan = cache.get_or_build(coords, SHAPE, 2, GEOM)
+    assert cache.stats()["collisions"] >= 1 and cache.stats()["builds"] == 1
+    assert_same_plan(plan, build_plan(coords, SHAPE, 2, GEOM))
+
+
+def test_unwritable_directory_degrades_to_memory(recwarn):
+    cache = cache_at("/proc/flexplan-cannot-exist/plans")
+    for seed in range(3):
+        coords = make_coords(seed=seed)
+        check_conv(cache.get_or_build(coords, SHAPE, 2, GEOM), coords, seed)
+    messages = [str(w.message) for w in recwarn if "plan cache" in str(w.message)]
+    assert len(messages) == 1 and "memory only" in messages[0]
+    assert cache.stats()["builds"] == 3 and not cache.stats()["disk_writable"]
+
+
+def test_read_only_directory_still_serves_its_plans(tmp_path, monkeypatch, recwarn):
+    old = make_coords(seed=3)
+    cache_at(tmp_path).get_or_build(old, SHAPE, 2, GEOM)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(disk_module.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(disk_module.filelock.FileLock, "acquire", read_only)
+    cache = cache_at(tmp_path)
+    check_conv(cache.get_or_build(old, SHAPE, 2, GEOM), old, 3)
+    assert cache.stats()["disk_hits"] == 1
+    for seed in (4, 5):
+        coords = make_coords(seed=seed)
+        check_conv(cache.get_or_build(coords, SHAPE, 2, GEOM), coords, seed)
+    assert len([w for w in recwarn if "plan cache" in str(w.message)]) == 1
+    assert cache.stats()["builds"] == 2 and len(cache.disk.entries()) == 1
+
+
+def test_disk_full_mid_write_leaves_no_partial_file(tmp_path, monkeypatch, recwarn):
+    real_write = disk_module.write_plan
+
+    def write_then_fill(out, plan, key, extra=None):
+        out.write(b"\0" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_module, "write_plan", write_then_fill)
+    cache = cache_at(tmp_path)
+    for seed in range(3):
+        coords = make_coords(seed=seed)
+        check_conv(cache.get_or_build(coords, SHAPE, 2, GEOM), coords, seed)
+    assert len([w for w in recwarn if "plan cache" in str(w.message)]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["locks"]  # no temp file left
+    monkeypatch.setattr(disk_module, "write_plan", real_write)
+    assert cache.stats()["builds"] == 3 and cache.stats().get("disk_writes", 0) == 0
+
+
+def test_disk_eviction_keeps_the_cap_and_the_recently_used(tmp_path):
+    sets = [make_coords(seed=s) for s in range(6)]
+    probe = cache_at(tmp_path / "probe")
+    probe.get_or_build(sets[0], SHAPE, 2, GEOM)
+    size = probe.disk.total_bytes()
+    cache = cache_at(tmp_path, max_disk_bytes=int(3.5 * size))
+    keys = [cache.key(c, SHAPE, 2, GEOM) for c in sets]
+    for i, coords in enumerate(sets):
+        cache.get_or_build(coords, SHAPE, 2, GEOM)
+        time.sleep(0.02)  # distinct mtimes
+        if i >= 2:  # hits from another process keep plan 0 recent
+            assert cache_at(tmp_path).get(sets[0], SHAPE, 2, GEOM) is not None
+            time.sleep(0.02)
+        assert cache.disk.total_bytes() <= cache.policy.max_disk_bytes
+    kept = {p.name.removesuffix(".fxplan") for p, _, _ in cache.disk.entries()}
+    assert kept == {keys[0], keys[4], keys[5]}
+
+
+def test_memory_layer_is_bounded_by_bytes(tmp_path):
+    cache = cache_at(tmp_path, mode="never")
+    sets = [make_coords(seed=s) for s in range(4)]
+    plans = [cache.get_or_build(c, SHAPE, 2, GEOM) for c in sets[:1]]
+    cache.configure(max_memory_bytes=int(2.5 * cache.memory.nbytes))
+    plans += [cache.get_or_build(c, SHAPE, 2, GEOM) for c in sets[1:]]
+    assert len(cache.memory) == 2 and cache.memory.nbytes <= cache.policy.max_memory_bytes
+    assert cache.get(sets[3], SHAPE, 2, GEOM) is plans[3]
+    assert cache.get(sets[0], SHAPE, 2, GEOM) is None  # mode never: no disk either
+    assert not list(tmp_path.iterdir())
+
+
+def test_auto_policy_skips_disk_where_rebuilding_is_faster(tmp_path):
+    coords = make_coords()
+    cache = cache_at(tmp_path, mode="auto")
+    cache.policy.load_s_per_byte["cpu"] = 1.0  # a disk this slow never pays off
+    cache.get_or_build(coords, SHAPE, 2, GEOM)
+    assert cache.stats().get("disk_writes", 0) == 0 and not cache.disk.entries()
+    cache_at(tmp_path).get_or_build(coords, SHAPE, 2, GEOM)  # mode always: written
+    slow_disk = cache_at(tmp_path, mode="auto")
+    slow_disk.policy.load_s_per_byte["cpu"] = 1.0
+    slow_disk.get_or_build(coords, SHAPE, 2, GEOM)
+    assert slow_disk.stats()["disk_skipped"] == 1 and slow_disk.stats()["builds"] == 1
+    fast_disk = cache_at(tmp_path, mode="auto")
+    fast_disk.get_or_build(coords, SHAPE, 2, GEOM)
+    assert fast_disk.stats()["disk_hits"] == 1
+
+
+def test_save_and_load_plans_for_a_server(tmp_path):
+    builder = cache_at(tmp_path / "cache")
+    sets = [make_coords(seed=s) for s in range(3)]
+    plans = [builder.get_or_build(c, SHAPE, 2, GEOM) for c in sets]
+    keys = builder.save_plans(tmp_path / "model_plans", plans)
+    (tmp_path / "model_plans" / "junk.fxplan").write_bytes(b"junk")
+    server = cache_at(tmp_path / "server_cache", mode="never", max_memory_bytes=1)
+    with pytest.warns(RuntimeWarning, match="junk"):
+        loaded = server.load_plans(tmp_path / "model_plans", device="cpu")
+    assert sorted(loaded) == sorted(keys)
+    for coords, plan in zip(sets, plans):  # found in memory although the cap is 1 byte
+        got = server.get_or_build(coords, SHAPE, 2, GEOM)
+        assert got is loaded[builder.key(coords, SHAPE, 2, GEOM)]
+        assert_same_plan(plan, got)
+    assert server.stats().get("builds", 0) == 0
+    with pytest.raises(ValueError, match="mapping"):
+        server.save_plans(tmp_path / "x", [build_plan(sets[0], SHAPE, 2, GEOM)])
+
+
+def test_cli_commands(tmp_path, capsys):
+    cache = cache_at(tmp_path)
+    for seed in range(3):
+        cache.get_or_build(make_coords(seed=seed), SHAPE, 2, GEOM)
+    run = lambda *args: (cli.main(["--dir", str(tmp_path), *args]), capsys.readouterr().out)  # noqa: E731
+    code, out = run("info")
+    assert code == 0 and "3 files" in out
+    code, out = run("ls")
+    assert code == 0 and len(out.strip().splitlines()) == 3 and "N=" in out
+    assert run("verify") == (0, "3 ok, 0 bad\n")
+    victim = cache.disk.entries()[0][0]
+    victim.write_bytes(victim.read_bytes()[:-8])
+    code, out = run("verify")
+    assert code == 1 and "1 bad" in out
+    code, out = run("verify", "--fix")
+    assert code == 0 and not victim.exists()
+    code, out = run("prune", "--max-bytes", "1")
+    assert code == 0 and "removed 2 files" in out
+    cache.get_or_build(make_coords(seed=9), SHAPE, 2, GEOM)
+    code, out = run("clear")
+    assert code == 0 and "removed 1 files" in out and not cache.disk.entries()

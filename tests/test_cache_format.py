@@ -1,0 +1,159 @@
+"""Plan cache key and file format: round trips, key sensitivity, corrupt-file detection."""
+import dataclasses
+import io
+import pickle
+
+import pytest
+import torch
+
+from flexplan import ConvGeometry, build_plan
+from flexplan.cache.format import PlanFileError, read_plan, write_plan
+from flexplan.cache.key import plan_key
+from flexplan.cache.policy import Policy, parse_bytes
+from flexplan.kernel_configs import PLAN_BLOCK_SIZES
+from flexplan.planner.segments import gather_map
+from flexplan.workloads import random_coords
+
+SHAPE = (12, 10, 9)
+
+
+def assert_same_plan(a, b):
+    """Every field equal: scalars, and each tensor's name, dtype, shape and values."""
+    for f in dataclasses.fields(a):
+        if f.name not in ("fwd", "bwd") and not isinstance(getattr(a, f.name), torch.Tensor):
+            assert getattr(a, f.name) == getattr(b, f.name), f.name
+    assert (a.bwd is None) == (b.bwd is None)
+    ta, tb = a.tensors(), b.tensors()
+    assert list(ta) == list(tb)
+    for name in ta:
+        assert ta[name].dtype == tb[name].dtype, name
+        assert ta[name].shape == tb[name].shape, name
+        assert torch.equal(ta[name].cpu(), tb[name].cpu()), name
+
+
+def make_coords(num=300, seed=0, batch_size=2):
+    return random_coords(num, SHAPE, batch_size, generator=torch.Generator().manual_seed(seed))
+
+
+def strided_like_plan(plan):
+    """A plan with a bwd map and N_out != N_in (the strided planner's shape), for the format."""
+    half = plan.num_out // 2
+    fwd = gather_map(plan.fwd.neighbor_map[:half].contiguous(), PLAN_BLOCK_SIZES)
+    bwd = gather_map(plan.fwd.neighbor_map.clamp(max=half - 1).contiguous(), PLAN_BLOCK_SIZES)
+    geom = ConvGeometry.make(3, stride=2, padding=1, submanifold=False)
+    return dataclasses.replace(plan, geometry=geom, fwd=fwd, bwd=bwd, num_out=half,
+                               out_coords=plan.out_coords[:half].contiguous(),
+                               out_spatial_shape=(6, 5, 5))
+
+
+def round_trip(plan, key="k" * 32):
+    buf = io.BytesIO()
+    write_plan(buf, plan, key)
+    return buf.getvalue()
+
+
+def load_bytes(tmp_path, data, key="k" * 32, device="cpu"):
+    path = tmp_path / "p.fxplan"
+    path.write_bytes(data)
+    plan, _ = read_plan(path, device, expect_key=key)
+    return plan
+
+
+@pytest.mark.parametrize("geometry", [ConvGeometry.submanifold_conv(3),
+                                      ConvGeometry.submanifold_conv((3, 1, 5), dilation=(1, 1, 2))])
+def test_round_trip_every_field(tmp_path, geometry):
+    coords = make_coords()
+    plan = build_plan(coords, SHAPE, 2, geometry)
+    assert_same_plan(plan, load_bytes(tmp_path, round_trip(plan)))
+
+
+def test_round_trip_with_bwd_map_and_int64_fallback(tmp_path):
+    plan = strided_like_plan(build_plan(make_coords(), SHAPE, 2, ConvGeometry.submanifold_conv(3)))
+    assert_same_plan(plan, load_bytes(tmp_path, round_trip(plan)))
+    # Values beyond int32 keep their dtype; an empty plan round-trips too.
+    wide = dataclasses.replace(plan, valid_signal_seg=plan.valid_signal_seg.to(torch.int64) + 2**40)
+    assert_same_plan(wide, load_bytes(tmp_path, round_trip(wide)))
+    empty = build_plan(torch.zeros((0, 4), dtype=torch.int32), SHAPE, 1, ConvGeometry.submanifold_conv(3))
+    assert_same_plan(empty, load_bytes(tmp_path, round_trip(empty)))
+
+
+def test_small_values_are_stored_narrow():
+    plan = build_plan(make_coords(), SHAPE, 2, ConvGeometry.submanifold_conv(3))
+    raw = sum(t.numel() * t.element_size() for t in plan.tensors().values())
+    assert len(round_trip(plan)) < 0.6 * raw  # int16 neighbour map, int8 valid_kernel
+
+
+@pytest.mark.parametrize("damage", ["truncate_payload", "truncate_header", "flip_payload",
+                                    "flip_header", "foreign", "empty", "wrong_key"])
+def test_damaged_files_are_detected(tmp_path, damage):
+    data = bytearray(round_trip(build_plan(make_coords(), SHAPE, 2, ConvGeometry.submanifold_conv(3))))
+    if damage == "truncate_payload":
+        data = data[:-100]
+    elif damage == "truncate_header":
+        data = data[:40]
+    elif damage == "flip_payload":
+        data[-77] ^= 0x10
+    elif damage == "flip_header":
+        data[30] ^= 0x01
+    elif damage == "foreign":
+        data = bytearray(b'{"not": "a plan"}' * 10)
+    elif damage == "empty":
+        data = bytearray()
+    with pytest.raises(PlanFileError):
+        load_bytes(tmp_path, bytes(data), key="x" * 32 if damage == "wrong_key" else "k" * 32)
+
+
+def test_plan_pickles_for_dataloader_workers():
+    plan = strided_like_plan(build_plan(make_coords(), SHAPE, 2, ConvGeometry.submanifold_conv(3)))
+    assert_same_plan(plan, pickle.loads(pickle.dumps(plan)))
+
+
+def test_key_depends_on_every_input():
+    coords = make_coords()
+    geom = ConvGeometry.submanifold_conv(3)
+    base = plan_key(coords, SHAPE, 2, geom)
+    assert base == plan_key(coords.clone(), SHAPE, 2, geom)
+    # A non-contiguous view with the same rows names the same plan.
+    wide = torch.cat([coords, coords], 1)[:, :4]
+    assert not wide.is_contiguous() and plan_key(wide, SHAPE, 2, geom) == base
+    variants = set()
+    for row in (0, 150, len(coords) - 1):
+        for col in range(4):
+            c = coords.clone()
+            c[row, col] += 1
+            variants.add(plan_key(c, SHAPE, 2, geom))
+    swapped = coords.clone()
+    swapped[[3, 4]] = coords[[4, 3]]
+    variants.add(plan_key(swapped, SHAPE, 2, geom))
+    variants.add(plan_key(coords[:-1], SHAPE, 2, geom))
+    variants.add(plan_key(coords, SHAPE, 3, geom))
+    variants.add(plan_key(coords, (12, 10, 10), 2, geom))
+    for field, value in [("kernel_size", (3, 3, 5)), ("dilation", (1, 2, 1)), ("stride", (2, 1, 1)),
+                         ("padding", (0, 0, 1)), ("submanifold", False), ("transposed", True)]:
+        variants.add(plan_key(coords, SHAPE, 2, dataclasses.replace(geom, **{field: value})))
+    assert base not in variants and len(variants) == 12 + 1 + 1 + 2 + 6
+
+
+def test_policy_decisions_and_settings(monkeypatch):
+    assert parse_bytes("8G") == 8 << 30 and parse_bytes("500MiB") == 500 << 20 and parse_bytes("4096") == 4096
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+    monkeypatch.setenv("FLEXPLAN_PLAN_CACHE", "sometimes")
+    with pytest.raises(ValueError, match="sometimes"):
+        Policy()
+    monkeypatch.setenv("FLEXPLAN_PLAN_CACHE", "auto")
+    monkeypatch.setenv("FLEXPLAN_PLAN_CACHE_MAX_BYTES", "1M")
+    policy = Policy()
+    assert policy.max_disk_bytes == 1 << 20
+    # Store when the build took well over the modelled load time, not otherwise.
+    assert policy.worth_storing("cpu", build_seconds=1.0, nbytes=1 << 20)
+    assert not policy.worth_storing("cpu", build_seconds=1e-4, nbytes=1 << 20)
+    # Load when the header's same-device build time beats the modelled load time.
+    assert policy.worth_loading("cpu", 1000, 1 << 20, {"built_on": "cpu", "build_seconds": 1.0})
+    assert not policy.worth_loading("cpu", 1000, 1 << 20, {"built_on": "cpu", "build_seconds": 1e-4})
+    # Another device type's build time does not count; this process's own rate does.
+    assert policy.worth_loading("cuda", 1000, 1 << 20, {"built_on": "cpu", "build_seconds": 1e-4})
+    policy.record_build("cuda", 1000, 1e-5)
+    assert not policy.worth_loading("cuda", 1000, 1 << 20, {"built_on": "cpu", "build_seconds": 9.0})
+    assert Policy(mode="always").worth_loading("cpu", 1, 1 << 30, {})
+    assert not Policy(mode="never").worth_storing("cpu", 100.0, 1)

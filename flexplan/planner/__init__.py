@@ -9,6 +9,7 @@ from ..geometry import ConvGeometry, triple
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..plan import ConvPlan
 from ..sparse_tensor import check_coords
+from .generative import generative_plan
 from .reference import submanifold_neighbor_map_torch
 from .segments import gather_map, valid_signal
 
@@ -39,7 +40,10 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
     if check:
         check_coords(coords, shape, batch_size)
     if not geometry.submanifold:
-        raise NotImplementedError("only submanifold plans are implemented so far")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown planner backend {backend!r}; choose one of {BACKENDS}")
+        # Candidate enumeration + unique: torch ops, fast on any device, for every backend.
+        return generative_plan(coords, shape, batch_size, geometry)
     nmap = _submanifold_neighbor_map(coords, shape, batch_size, geometry, backend)
     sig_i, sig_o, sig_seg = valid_signal(nmap)
     return ConvPlan(

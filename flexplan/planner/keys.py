@@ -25,3 +25,13 @@ def pack_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batch
     sx = spatial_shape[0]
     keys = ((c[:, 0] * sx + c[:, 1]) * sy + c[:, 2]) * sz + c[:, 3]
     return keys.to(dtype)
+
+
+def unpack_keys(keys: torch.Tensor, spatial_shape: tuple[int, int, int]) -> torch.Tensor:
+    """int32 [M, 4] (b, x, y, z) rows of pack_coords keys (its inverse)."""
+    k = keys.to(torch.int64)
+    _, sy, sz = spatial_shape
+    z, k = k % sz, k // sz
+    y, k = k % sy, k // sy
+    x, b = k % spatial_shape[0], k // spatial_shape[0]
+    return torch.stack([b, x, y, z], dim=1).to(torch.int32)

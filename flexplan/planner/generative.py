@@ -1,0 +1,115 @@
+"""Plans of strided (generative), transposed and inverse sparse convolutions.
+
+Tap k of an axis (kernel_offsets(..., centered=False): offset k * d) links output o and input i by
+    strided:    i = o * s - p + k * d     (an output exists iff some input falls in its window)
+    transposed: o = i * s - p + k * d     (every in-range target of an input exists)
+which are spconv's rules and those of torch's conv3d / conv_transpose3d with the same weight.
+Each (input row, tap v) reaches at most one output and each (output row, v) at most one input
+(coords are unique), so both gather maps come straight from the list of valid (input, tap)
+candidates: no hash lookups. Plain torch ops, on whatever device the coords are.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..geometry import ConvGeometry
+from ..kernel_configs import PLAN_BLOCK_SIZES
+from ..plan import MISSING, ConvPlan, GatherMap
+from .keys import pack_coords, unpack_keys
+from .offsets import kernel_offsets
+from .segments import gather_map, valid_signal
+
+
+def output_spatial_shape(spatial_shape, geometry: ConvGeometry) -> tuple[int, int, int]:
+    """spconv's output grid: (in + 2p - d(k-1) - 1) // s + 1, or for transposed convolutions
+    (in - 1) s - 2p + d(k-1) + 1. Raises if an axis would be empty."""
+    if geometry.submanifold:
+        return tuple(spatial_shape)
+    out = []
+    for n, k, s, p, d in zip(spatial_shape, geometry.kernel_size, geometry.stride,
+                             geometry.padding, geometry.dilation):
+        span = d * (k - 1) + 1
+        out.append((n - 1) * s - 2 * p + span if geometry.transposed else (n + 2 * p - span) // s + 1)
+    if any(o < 1 for o in out):
+        raise ValueError(f"{'transposed ' if geometry.transposed else ''}convolution with "
+                         f"{geometry} maps spatial_shape {tuple(spatial_shape)} to an empty grid "
+                         f"{tuple(out)}")
+    return tuple(out)
+
+
+def _candidates(coords: torch.Tensor, geometry: ConvGeometry, out_shape) -> tuple[torch.Tensor, ...]:
+    """(input rows, taps, output coords [M, 4]) of every valid (input, tap) candidate."""
+    offsets = kernel_offsets(geometry, coords.device, centered=False).to(torch.int32)  # [V, 3]
+    stride = torch.tensor(geometry.stride, dtype=torch.int32, device=coords.device)
+    padding = torch.tensor(geometry.padding, dtype=torch.int32, device=coords.device)
+    upper = torch.tensor(out_shape, dtype=torch.int32, device=coords.device)
+    spatial = coords[:, 1:]
+    # Validity one axis at a time keeps the temporaries at [N, V] rather than [N, V, 3].
+    valid = None
+    for a in range(3):
+        if geometry.transposed:
+            o = spatial[:, a, None] * stride[a] - padding[a] + offsets[None, :, a]
+            ok = (o >= 0) & (o < upper[a])
+        else:
+            num = spatial[:, a, None] + padding[a] - offsets[None, :, a]
+            ok = (num >= 0) & (num % stride[a] == 0) & (num < upper[a] * stride[a])
+        valid = ok if valid is None else valid & ok
+    rows, taps = valid.nonzero(as_tuple=True)
+    if geometry.transposed:
+        out_spatial = spatial[rows] * stride - padding + offsets[taps]
+    else:
+        out_spatial = torch.div(spatial[rows] + padding - offsets[taps], stride, rounding_mode="floor")
+    return rows, taps, torch.cat([coords[rows, :1], out_spatial], dim=1)
+
+
+def generative_plan(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batch_size: int,
+                    geometry: ConvGeometry) -> ConvPlan:
+    """Plan of a strided or transposed convolution (geometry.submanifold is False).
+
+    Output coords are the distinct candidates in ascending (b, x, y, z) order.
+    """
+    if geometry.submanifold:
+        raise ValueError("generative_plan is for non-submanifold geometries")
+    out_shape = output_spatial_shape(spatial_shape, geometry)
+    rows, taps, out_coords = _candidates(coords, geometry, out_shape)
+    keys = pack_coords(out_coords, out_shape, batch_size)
+    out_keys, out_rows = torch.unique(keys, return_inverse=True)
+    n_in, n_out, v = coords.shape[0], out_keys.numel(), geometry.volume
+    fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=coords.device)
+    fwd[out_rows, taps] = rows.to(torch.int32)
+    bwd = torch.full((n_in, v), MISSING, dtype=torch.int32, device=coords.device)
+    bwd[rows, taps] = out_rows.to(torch.int32)
+    return _plan(geometry, batch_size, tuple(spatial_shape), out_shape, n_in,
+                 unpack_keys(out_keys, out_shape), gather_map(fwd, PLAN_BLOCK_SIZES),
+                 gather_map(bwd, PLAN_BLOCK_SIZES))
+
+
+def inverse_plan(paired: ConvPlan, paired_in_coords: torch.Tensor) -> ConvPlan:
+    """Plan of the inverse of a strided/transposed convolution (spconv's SparseInverseConv3d).
+
+    It maps the paired conv's outputs back onto its inputs: out coords = paired_in_coords, the
+    maps are the paired plan's swapped, with the same tap v (weight not reversed). That is the
+    transposed convolution of the paired geometry restricted to those coords, so its geometry is
+    the paired one with `transposed` flipped.
+    """
+    if paired.bwd is None:
+        raise ValueError("inverse convolution needs a strided or transposed paired plan, "
+                         "not a submanifold one")
+    if paired_in_coords.shape[0] != paired.num_in:
+        raise ValueError(f"paired conv had {paired.num_in} inputs, got "
+                         f"{paired_in_coords.shape[0]} coords")
+    geometry = replace(paired.geometry, transposed=not paired.geometry.transposed)
+    return _plan(geometry, paired.batch_size, paired.out_spatial_shape, paired.in_spatial_shape,
+                 paired.num_out, paired_in_coords, paired.bwd, paired.fwd)
+
+
+def _plan(geometry, batch_size, in_shape, out_shape, n_in, out_coords, fwd: GatherMap,
+          bwd: GatherMap) -> ConvPlan:
+    sig_i, sig_o, sig_seg = valid_signal(fwd.neighbor_map)
+    return ConvPlan(
+        geometry=geometry, batch_size=batch_size, in_spatial_shape=in_shape,
+        out_spatial_shape=out_shape, num_in=n_in, num_out=out_coords.shape[0],
+        out_coords=out_coords, fwd=fwd, bwd=bwd,
+        valid_signal_i=sig_i, valid_signal_o=sig_o, valid_signal_seg=sig_seg)

@@ -1,0 +1,279 @@
+"""Sparse convolution: every algorithm x dtype against float64 references, forward and backward.
+
+References: a dense conv3d on the grid (independent of the planner) and a per-offset gather
+loop over the plan's neighbour map (also covers hand-made general plans with a backward map).
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexplan import ConvGeometry, SparseTensor, build_plan
+from flexplan.kernel_configs import ALGORITHMS
+from flexplan.nn import SubMConv3d
+from flexplan.ops import sparse_conv
+from flexplan.plan import MISSING, ConvPlan
+from flexplan.planner.segments import gather_map, valid_signal
+from flexplan.workloads import random_coords, sphere_shell
+
+ALGOS = ALGORITHMS + ("auto",)
+# dtype name -> (torch dtype, allow_tf32, relative tolerance on max |error| / max |ref|).
+# Half types: inputs are rounded before the float64 reference sees them, so the error is the
+# output rounding plus fp32 accumulation order.
+DTYPES = {
+    "float64": (torch.float64, False, 1e-12),
+    "float32": (torch.float32, False, 2e-5),
+    "tf32": (torch.float32, True, 5e-3),
+    "float16": (torch.float16, False, 3e-3),
+    "bfloat16": (torch.bfloat16, False, 2e-2),
+}
+
+
+# ------------------------------------------------------------------ references (float64)
+
+def dense_submconv(feats, coords, spatial_shape, batch_size, weight, bias, dilation):
+    """Submanifold conv as a dense conv3d, read back at the active voxels (differentiable)."""
+    b, x, y, z = coords.long().unbind(1)
+    grid = feats.new_zeros((batch_size, *spatial_shape, feats.shape[1]))
+    grid = grid.index_put((b, x, y, z), feats).permute(0, 4, 1, 2, 3)
+    kernel = weight.shape[1:4]
+    out = F.conv3d(grid, weight.permute(0, 4, 1, 2, 3), dilation=dilation,
+                   padding=tuple(d * (k // 2) for k, d in zip(kernel, dilation)))
+    out = out.permute(0, 2, 3, 4, 1)[b, x, y, z]
+    return out + bias if bias is not None else out
+
+
+def gather_conv(feats, neighbor_map, weight, bias):
+    """out[m] = bias + sum_v weight[:, v] @ feats[neighbor_map[m, v]]; weight [Co, V, Ci]."""
+    out = feats.new_zeros((neighbor_map.shape[0], weight.shape[0]))
+    for v in range(neighbor_map.shape[1]):
+        rows = (neighbor_map[:, v] != MISSING).nonzero()[:, 0]
+        out = out.index_add(0, rows, feats[neighbor_map[rows, v].long()] @ weight[:, v].t())
+    return out + bias if bias is not None else out
+
+
+def submanifold_case(num, shape=(8, 8, 8), kernel_size=3, dilation=1, batch_size=1, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    coords = random_coords(num, shape, batch_size, generator=gen)
+    geometry = ConvGeometry.submanifold_conv(kernel_size, dilation)
+    return coords, build_plan(coords, shape, batch_size, geometry)
+
+
+def random_general_plan(num_in, num_out, kernel_size=3, density=0.4, seed=0) -> ConvPlan:
+    """A hand-made strided-style plan (N_in != N_out): per offset a random partial one-to-one
+    matching of output rows to input rows, and its inverse as the backward map."""
+    gen = torch.Generator().manual_seed(seed)
+    geometry = ConvGeometry.make(kernel_size, stride=2, submanifold=False)
+    v = geometry.volume
+    fwd = torch.full((num_out, v), MISSING, dtype=torch.int32)
+    bwd = torch.full((num_in, v), MISSING, dtype=torch.int32)
+    for k in range(v):
+        count = int(density * min(num_in, num_out) * float(torch.rand((), generator=gen)) * 2)
+        count = min(count, num_in, num_out)
+        outs = torch.randperm(num_out, generator=gen)[:count]
+        ins = torch.randperm(num_in, generator=gen)[:count]
+        fwd[outs, k] = ins.to(torch.int32)
+        bwd[ins, k] = outs.to(torch.int32)
+    sig_i, sig_o, sig_seg = valid_signal(fwd)
+    blocks = (16, 32, 64, 128)
+    return ConvPlan(geometry=geometry, batch_size=1, in_spatial_shape=(16, 16, 16),
+                    out_spatial_shape=(8, 8, 8), num_in=num_in, num_out=num_out,
+                    out_coords=torch.zeros((num_out, 4), dtype=torch.int32),
+                    fwd=gather_map(fwd, blocks), bwd=gather_map(bwd, blocks),
+                    valid_signal_i=sig_i, valid_signal_o=sig_o, valid_signal_seg=sig_seg)
+
+
+def rel_err(got, ref) -> float:
+    return float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def make_inputs(n, ci, co, kernel, dtype, device, seed, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda *s: torch.randn(*s, generator=gen).to(dtype).to(device).requires_grad_()  # noqa: E731
+    return (make(n, ci), make(co, *kernel, ci), make(co) if bias else None)
+
+
+def run_and_grads(feats, plan, weight, bias, algo, allow_tf32, grad_out):
+    out = sparse_conv(feats, plan, weight, bias, algo=algo, allow_tf32=allow_tf32)
+    inputs = [t for t in (feats, weight, bias) if t is not None]
+    return (out, *torch.autograd.grad(out, inputs, grad_out))
+
+
+def reference_and_grads(fn, feats, weight, bias, grad_out):
+    leaves = [t.detach().double().cpu().requires_grad_() if t is not None else None
+              for t in (feats, weight, bias)]
+    out = fn(*leaves)
+    return (out.detach(), *torch.autograd.grad(out, [t for t in leaves if t is not None],
+                                               grad_out.double().cpu()))
+
+
+def check_all(got, ref, tol, what):
+    names = ("out", "grad_feats", "grad_weight", "grad_bias")
+    for name, g, r in zip(names, got, ref):
+        err = rel_err(g.detach().cpu(), r)
+        assert err <= tol, f"{what}: {name} relative error {err:.3g} > {tol:g}"
+
+
+# ------------------------------------------------------------------ every algorithm x dtype
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("algo", ALGOS)
+def test_submanifold_matches_dense_and_gather(algo, dtype_name, device):
+    dtype, tf32, tol = DTYPES[dtype_name]
+    seed = zlib.crc32(f"{algo}/{dtype_name}".encode()) % 1000
+    coords, plan = submanifold_case(160, seed=seed)
+    coords, plan = coords.to(device), plan.to(device)
+    feats, weight, bias = make_inputs(coords.shape[0], 5, 7, (3, 3, 3), dtype, device, seed)
+    grad_out = torch.randn(coords.shape[0], 7, generator=torch.Generator().manual_seed(seed + 1))
+    got = run_and_grads(feats, plan, weight, bias, algo, tf32, grad_out.to(dtype).to(device))
+    grad_out = grad_out.to(dtype)  # the kernels saw the rounded gradient
+    dense = reference_and_grads(
+        lambda f, w, b: dense_submconv(f, coords.cpu(), (8, 8, 8), 1, w, b, (1, 1, 1)),
+        feats, weight, bias, grad_out)
+    check_all(got, dense, tol, f"{algo}/{dtype_name} vs dense conv3d")
+    nmap = plan.fwd.neighbor_map.cpu()
+    gather = reference_and_grads(lambda f, w, b: gather_conv(f, nmap, w.reshape(7, 27, 5), b),
+                                 feats, weight, bias, grad_out)
+    check_all(got, gather, tol, f"{algo}/{dtype_name} vs gather reference")
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_general_plan_with_backward_map(algo, device):
+    """Strided/transposed-style plans: grad-input gathers through plan.bwd, offsets unreversed."""
+    plan = random_general_plan(num_in=90, num_out=50, seed=7).to(device)
+    feats, weight, bias = make_inputs(90, 6, 5, (3, 3, 3), torch.float64, device, seed=3)
+    grad_out = torch.randn(50, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    got = run_and_grads(feats, plan, weight, bias, algo, False, grad_out.to(device))
+    nmap = plan.fwd.neighbor_map.cpu()
+    ref = reference_and_grads(lambda f, w, b: gather_conv(f, nmap, w.reshape(5, 27, 6), b),
+                              feats, weight, bias, grad_out)
+    check_all(got, ref, 1e-12, f"general plan/{algo}")
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_gradcheck_float64(algo, device):
+    coords, plan = submanifold_case(14, shape=(3, 3, 3), seed=11)
+    feats, weight, bias = make_inputs(coords.shape[0], 2, 3, (3, 3, 3), torch.float64, device, 5)
+    fn = lambda f, w, b: sparse_conv(f, plan.to(device), w, b, algo=algo)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (feats, weight, bias), fast_mode=True)
+
+
+# ------------------------------------------------------------------ edge cases
+
+EDGE_ALGOS = ("explicit", "implicit_splitk", "masked", "masked_splitk")
+
+
+@pytest.mark.parametrize("algo", EDGE_ALGOS)
+@pytest.mark.parametrize("case", ["empty", "one_voxel", "isolated", "odd_channels", "kernel5",
+                                  "dilation2", "no_bias", "batch2"])
+def test_edge_cases(case, algo, device):
+    ci, co, kernel, dilation, bias, batch, shape, num = 5, 4, 3, 1, True, 1, (8, 8, 8), 120
+    if case == "empty":
+        num = 0
+    elif case == "one_voxel":
+        num = 1
+    elif case == "odd_channels":
+        ci, co = 3, 17
+    elif case == "kernel5":
+        kernel = 5
+    elif case == "dilation2":
+        dilation = 2
+    elif case == "no_bias":
+        bias = False
+    elif case == "batch2":
+        batch = 2
+    if case == "isolated":  # every voxel 2 apart: only the centre offset ever hits
+        g = torch.arange(0, 8, 2)
+        xyz = torch.stack(torch.meshgrid(g, g, g, indexing="ij"), -1).reshape(-1, 3)
+        coords = torch.cat([torch.zeros_like(xyz[:, :1]), xyz], 1).to(torch.int32)
+        plan = build_plan(coords, shape, 1, ConvGeometry.submanifold_conv(kernel, dilation))
+    elif num == 0:
+        coords = torch.zeros((0, 4), dtype=torch.int32)
+        plan = build_plan(coords, shape, 1, ConvGeometry.submanifold_conv(kernel, dilation))
+    else:
+        coords, plan = submanifold_case(num, shape, kernel, dilation, batch, seed=len(case))
+    n = coords.shape[0]
+    feats, weight, b = make_inputs(n, ci, co, (kernel,) * 3, torch.float32, device, 9, bias)
+    grad_out = torch.randn(n, co, generator=torch.Generator().manual_seed(10))
+    got = run_and_grads(feats, plan.to(device), weight, b, algo, False, grad_out.to(device))
+    ref = reference_and_grads(
+        lambda f, w, bb: dense_submconv(f, coords, shape, batch, w, bb, (dilation,) * 3),
+        feats, weight, b, grad_out)
+    assert got[0].shape == (n, co)
+    if n == 0:
+        assert got[2].abs().max() == 0  # no voxels, no weight gradient
+        return
+    check_all(got, ref, 2e-5, f"{case}/{algo}")
+
+
+# ------------------------------------------------------------------ errors
+
+def test_clear_errors():
+    coords, plan = submanifold_case(50)
+    n = coords.shape[0]
+    feats = torch.randn(n, 4)
+    weight = torch.randn(6, 3, 3, 3, 4)
+    with pytest.raises(ValueError, match="channels"):
+        sparse_conv(torch.randn(n, 5), plan, weight)
+    with pytest.raises(TypeError, match="dtype"):
+        sparse_conv(feats.double(), plan, weight)
+    with pytest.raises(ValueError, match="kernel size"):
+        sparse_conv(feats, plan, torch.randn(6, 5, 5, 5, 4))
+    with pytest.raises(ValueError, match="shape"):
+        sparse_conv(feats, plan, torch.randn(6, 27, 4))
+    with pytest.raises(ValueError, match="rows"):
+        sparse_conv(feats[:-1], plan, weight)
+    with pytest.raises(ValueError, match="plan is on"):
+        sparse_conv(feats, plan.to("meta"), weight)
+    with pytest.raises(ValueError, match="bias"):
+        sparse_conv(feats, plan, weight, torch.randn(5))
+    with pytest.raises(ValueError, match="algorithm"):
+        sparse_conv(feats, plan, weight, algo="fastest")
+    with pytest.raises(TypeError, match="float16"):
+        sparse_conv(feats.to(torch.int32), plan, weight)
+
+
+# ------------------------------------------------------------------ module
+
+def test_submconv3d_layers_share_one_plan(device):
+    coords, _ = submanifold_case(150, seed=21)
+    x = SparseTensor(torch.randn(coords.shape[0], 4, device=device), coords.to(device), (8, 8, 8))
+    torch.manual_seed(0)
+    net = torch.nn.ModuleList([SubMConv3d(4, 8, 3, algo="masked"), SubMConv3d(8, 3, 3, algo="auto")])
+    net = net.to(device)
+    y = net[1](net[0](x))
+    assert len(x._plans) == 1, "both layers must reuse the plan of their shared geometry"
+    plan = next(iter(x._plans.values()))
+    ref = sparse_conv(sparse_conv(x.feats, plan, net[0].weight, net[0].bias, "explicit"),
+                      plan, net[1].weight, net[1].bias, "explicit")
+    assert rel_err(y.feats.detach().cpu(), ref.detach().double().cpu()) < 2e-5
+    y.feats.square().sum().backward()
+    assert net[0].weight.grad is not None and net[0].weight.grad.abs().sum() > 0
+    with pytest.raises(TypeError, match="SparseTensor"):
+        net[0](x.feats)
+
+
+# ------------------------------------------------------------------ GPU, real sizes
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16", "float32", "tf32"])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_gpu_sphere_shell(algo, dtype_name):
+    dtype, tf32, tol = DTYPES[dtype_name]
+    device = torch.device("cuda")
+    coords = sphere_shell(64, 2, device)
+    plan = build_plan(coords, (64, 64, 64), 2, ConvGeometry.submanifold_conv(3))
+    n = coords.shape[0]
+    feats, weight, bias = make_inputs(n, 48, 80, (3, 3, 3), dtype, device, seed=1)
+    grad_out = torch.randn(n, 80, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got = run_and_grads(feats, plan, weight, bias, algo, tf32, grad_out.to(device))
+    nmap = plan.fwd.neighbor_map
+    leaves = [t.detach().double().requires_grad_() for t in (feats, weight, bias)]
+    out = gather_conv(leaves[0], nmap, leaves[1].reshape(80, 27, 48), leaves[2])
+    ref = (out.detach(), *torch.autograd.grad(out, leaves, grad_out.double().to(device)))
+    for name, g, r in zip(("out", "grad_feats", "grad_weight", "grad_bias"), got, ref):
+        err = float((g.double() - r).abs().max() / r.abs().max())
+        assert err <= tol, f"{algo}/{dtype_name}: {name} relative error {err:.3g} > {tol:g}"

@@ -2,3 +2,10 @@
 from .submconv import SubMConv3d
 
 __all__ = ["SubMConv3d"]
+from . import spconv  # spconv-compatible namespace (its SubMConv3d takes spconv's arguments)
+from .sparse_conv_tensor import SparseConvTensor
+from .sparse_sequential import SparseSequential, ToDense
+from .spconv_layers import SparseConv3d, SparseConvTranspose3d, SparseInverseConv3d, SparseModule
+
+__all__ += ["SparseConv3d", "SparseConvTensor", "SparseConvTranspose3d", "SparseInverseConv3d",
+            "SparseModule", "SparseSequential", "ToDense", "spconv"]

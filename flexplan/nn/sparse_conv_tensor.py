@@ -1,0 +1,137 @@
+"""SparseConvTensor: spconv 2.x's sparse tensor, as a flexplan SparseTensor.
+
+indices [N, 4] int32 rows are (batch, d0, d1, d2) with d0..d2 in the order of spatial_shape,
+exactly as in spconv (which documents them as (b, z, y, x) for a (Z, Y, X) grid): flexplan's
+(b, x, y, z) is only a naming, so no axis is permuted anywhere. Layers share plans through the
+tensor (SparseTensor._plans) and record strided plans under their indice_key in indice_dict, so
+that SparseInverseConv3d can map back onto the coordinates they came from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Optional
+
+import torch
+
+from ..geometry import triple
+from ..plan import ConvPlan
+from ..planner.generative import inverse_plan
+from ..sparse_tensor import SparseTensor, SparseTensorError
+
+
+@dataclass(eq=False)
+class IndiceData:
+    """What a conv with an indice_key leaves in indice_dict (spconv's field names).
+
+    indices / spatial_shape: the conv's input coords and grid; out_indices / out_spatial_shape:
+    its output. in_plans: the plans of the input coords, handed on to the inverse conv's output.
+    """
+
+    out_indices: torch.Tensor
+    indices: torch.Tensor
+    spatial_shape: tuple[int, int, int]
+    out_spatial_shape: tuple[int, int, int]
+    is_subm: bool
+    plan: ConvPlan
+    in_plans: dict = field(repr=False)
+
+    @cached_property
+    def inverse_plan(self) -> ConvPlan:
+        return inverse_plan(self.plan, self.indices)
+
+
+class SparseConvTensor(SparseTensor):
+    """spconv.SparseConvTensor(features, indices, spatial_shape, batch_size, ...).
+
+    spconv's grid / voxel_num / benchmark / allocator / timer arguments are accepted and kept
+    as attributes but unused. check=True validates indices (int32, in range, no duplicates).
+    """
+
+    def __init__(self, features: torch.Tensor, indices: torch.Tensor, spatial_shape, batch_size: int,
+                 grid=None, voxel_num=None, indice_dict: Optional[dict] = None, benchmark: bool = False,
+                 permanent_thrust_allocator: bool = False, enable_timer: bool = False,
+                 force_algo=None, *, check: bool = True):
+        super().__init__(features, indices, spatial_shape, int(batch_size), check=check)
+        self.indice_dict = {} if indice_dict is None else indice_dict
+        self.grid, self.voxel_num, self.force_algo = grid, voxel_num, force_algo
+        self.benchmark, self.benchmark_record = benchmark, {}
+
+    # spconv names for SparseTensor's fields. Changing coords or grid drops the cached plans.
+    @property
+    def features(self) -> torch.Tensor:
+        return self.feats
+
+    @features.setter
+    def features(self, value: torch.Tensor) -> None:
+        if value.dim() != 2 or value.shape[0] != self.coords.shape[0]:
+            raise SparseTensorError(f"features must have shape [{self.coords.shape[0]}, C], "
+                                    f"got {tuple(value.shape)}")
+        self.feats = value
+
+    @property
+    def indices(self) -> torch.Tensor:
+        return self.coords
+
+    @indices.setter
+    def indices(self, value: torch.Tensor) -> None:
+        self.coords = value
+        self._plans = {}
+
+    @property
+    def spatial_shape(self) -> tuple[int, int, int]:
+        return self._spatial_shape
+
+    @spatial_shape.setter
+    def spatial_shape(self, value) -> None:
+        self._spatial_shape = triple(value, "spatial_shape")
+        self._plans = {}
+
+    @classmethod
+    def from_dense(cls, x: torch.Tensor) -> "SparseConvTensor":
+        """From a channels-last [B, D0, D1, D2, C] tensor: the sites with any nonzero channel."""
+        if x.dim() != 5:
+            raise SparseTensorError(f"from_dense expects [B, D0, D1, D2, C], got {tuple(x.shape)}")
+        active = (x != 0).any(dim=-1)
+        return cls(x[active], active.nonzero().to(torch.int32), x.shape[1:4], x.shape[0],
+                   check=False)
+
+    def replace_feature(self, feature: torch.Tensor) -> "SparseConvTensor":
+        """Same indices, grid, indice_dict and plans; new features (e.g. after BN / ReLU)."""
+        if feature.dim() != 2 or feature.shape[0] != self.num_voxels:
+            raise SparseTensorError(f"replacement features must have shape [{self.num_voxels}, C], "
+                                    f"got {tuple(feature.shape)}")
+        return self._derived(feature, self.coords, self.spatial_shape, self.indice_dict, self._plans)
+
+    replace_feats = replace_feature  # what flexplan's own layers call
+
+    def _derived(self, features, indices, spatial_shape, indice_dict, plans) -> "SparseConvTensor":
+        out = SparseConvTensor(features, indices, spatial_shape, self.batch_size, self.grid,
+                               self.voxel_num, indice_dict, self.benchmark, check=False)
+        out.benchmark_record = self.benchmark_record
+        out._plans = plans
+        return out
+
+    def shadow_copy(self) -> "SparseConvTensor":
+        return self._derived(self.feats, self.coords, self.spatial_shape, self.indice_dict,
+                             self._plans)
+
+    def find_indice_pair(self, key) -> Optional[IndiceData]:
+        return None if key is None else self.indice_dict.get(key)
+
+    def dense(self, channels_first: bool = True) -> torch.Tensor:
+        """[B, C, D0, D1, D2], or [B, D0, D1, D2, C] with channels_first=False."""
+        out = super().dense()
+        return out if channels_first else out.permute(0, 2, 3, 4, 1).contiguous()
+
+    @property
+    def spatial_size(self) -> int:
+        x, y, z = self.spatial_shape
+        return x * y * z
+
+    @property
+    def sparity(self) -> float:  # sic: spconv's spelling
+        return self.num_voxels / self.spatial_size / self.batch_size
+
+    def __repr__(self) -> str:
+        return "SparseConvTensor" + super().__repr__().removeprefix("SparseTensor")

@@ -1,0 +1,193 @@
+"""spconv 2.x convolution layers over flexplan plans: same constructors, same weight layout.
+
+Weights are [Co, K0, K1, K2, Ci] with bias [Co]: spconv 2.x's default (KRSC, its implicit-GEMM
+layout), so an spconv state_dict loads unchanged. Checkpoints of spconv's Native algorithm
+(kernel volume > 32, CPU-only builds) store [K0, K1, K2, Co, Ci]; such a weight is permuted on
+load when its shape tells it apart.
+
+Kernel tap k of an axis links output o and input i by i = o * s - p + k * d (transposed:
+o = i * s - p + k * d), spconv's rule, equal to torch's conv3d / conv_transpose3d with weight
+W.permute(0, 4, 1, 2, 3) / W.permute(4, 0, 1, 2, 3).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..geometry import ConvGeometry, triple
+from ..kernel_configs import ALGORITHMS
+from ..ops.sparse_conv import sparse_conv
+from .sparse_conv_tensor import IndiceData, SparseConvTensor
+from .submconv import SubMConv3d as _SubMConv3d
+
+
+class SparseModule(torch.nn.Module):
+    """Marker of modules that take and return a SparseConvTensor (spconv.SparseModule)."""
+
+    def __init__(self, name=None):
+        super().__init__()
+        self.name = name
+
+
+def algo_name(algo) -> str:
+    """flexplan algorithm for an `algo` argument: one of its names, or "auto" for None and for
+    spconv ConvAlgo values (flexplan picks its own kernels)."""
+    if isinstance(algo, str):
+        if algo != "auto" and algo not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algo!r}; choose 'auto' or one of {ALGORITHMS}")
+        return algo
+    return "auto"
+
+
+def _check_input(module, x) -> None:
+    if not isinstance(x, SparseConvTensor):
+        raise TypeError(f"{type(module).__name__} expects a SparseConvTensor, got "
+                        f"{type(x).__name__}")
+    if x.num_channels != module.in_channels:
+        raise ValueError(f"{type(module).__name__} expects {module.in_channels} input channels, "
+                         f"got features of shape {tuple(x.features.shape)}")
+
+
+def _record(indice_dict: dict, key, geometry: ConvGeometry, data: IndiceData) -> dict:
+    """indice_dict plus `key` -> data; a key already taken must name the same convolution."""
+    if key is None:
+        return indice_dict
+    old = indice_dict.get(key)
+    if old is not None:
+        if old.plan.geometry != geometry or old.indices.shape != data.indices.shape:
+            raise ValueError(f"indice_key {key!r} already names a different convolution "
+                             f"({old.plan.geometry}); give this layer its own key")
+        return indice_dict
+    return {**indice_dict, key: data}
+
+
+class SparseConvolution(SparseModule):
+    """Strided, transposed or inverse sparse convolution (spconv's SparseConvolution, ndim=3).
+
+    subm=True is SubMConv3d's job; groups and output_padding other than 1 / 0 are unsupported.
+    allow_tf32 (flexplan's addition): float32 convolutions on TF32 tensor cores.
+    """
+
+    def __init__(self, ndim: int, in_channels: int, out_channels: int, kernel_size=3, stride=1,
+                 padding=0, dilation=1, groups=1, bias: bool = True, subm: bool = False,
+                 output_padding=0, transposed: bool = False, inverse: bool = False,
+                 indice_key=None, algo=None, name=None, *, allow_tf32: bool = False,
+                 device=None, dtype=None):
+        super().__init__(name)
+        if ndim != 3:
+            raise NotImplementedError(f"flexplan convolutions are 3D; got ndim={ndim}")
+        if subm:
+            raise ValueError("use SubMConv3d for submanifold convolutions")
+        if groups != 1:
+            raise NotImplementedError("grouped sparse convolution is not supported (groups=1)")
+        if triple(output_padding, "output_padding") != (0, 0, 0):
+            raise NotImplementedError("output_padding is not supported")
+        if inverse and indice_key is None:
+            raise ValueError("an inverse convolution needs the indice_key of its paired conv")
+        self.geometry = ConvGeometry.make(kernel_size, dilation, stride, padding,
+                                          submanifold=False, transposed=transposed)
+        self.ndim, self.in_channels, self.out_channels = 3, int(in_channels), int(out_channels)
+        self.kernel_size, self.stride = self.geometry.kernel_size, self.geometry.stride
+        self.padding, self.dilation = self.geometry.padding, self.geometry.dilation
+        self.transposed, self.inverse, self.subm = transposed, inverse, False
+        self.indice_key, self.algo, self.allow_tf32 = indice_key, algo_name(algo), allow_tf32
+        factory = dict(device=device, dtype=dtype)
+        self.weight = torch.nn.Parameter(
+            torch.empty((out_channels, *self.kernel_size, in_channels), **factory))
+        self.bias = torch.nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
+        self.reset_parameters()
+
+    reset_parameters = _SubMConv3d.reset_parameters  # +-1/sqrt(fan_in), like flexplan's own
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        weight = state_dict.get(prefix + "weight")
+        native = (*self.kernel_size, self.out_channels, self.in_channels)
+        if weight is not None and tuple(weight.shape) == native != tuple(self.weight.shape):
+            state_dict[prefix + "weight"] = weight.permute(3, 0, 1, 2, 4)  # RSKC -> KRSC
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def forward(self, x: SparseConvTensor) -> SparseConvTensor:
+        _check_input(self, x)
+        if self.inverse:
+            data = x.find_indice_pair(self.indice_key)
+            if data is None:
+                raise KeyError(f"indice_key {self.indice_key!r} not found: the paired conv must "
+                               "run on this tensor's path first")
+            if data.is_subm:
+                raise ValueError(f"indice_key {self.indice_key!r} names a submanifold conv; an "
+                                 "inverse conv pairs with a strided or transposed one")
+            if data.plan.geometry.kernel_size != self.kernel_size:
+                raise ValueError(f"inverse conv kernel {self.kernel_size} differs from its paired "
+                                 f"conv's {data.plan.geometry.kernel_size}")
+            if x.num_voxels != data.plan.num_out or x.spatial_shape != data.out_spatial_shape:
+                raise ValueError(f"inverse conv input ({x.num_voxels} voxels, grid "
+                                 f"{x.spatial_shape}) is not the output of the conv of "
+                                 f"indice_key {self.indice_key!r}")
+            plan, plans, indice_dict = data.inverse_plan, data.in_plans, x.indice_dict
+        else:
+            plan, plans = x.get_plan(self.geometry), {}
+            indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
+                plan.out_coords, x.indices, x.spatial_shape, plan.out_spatial_shape,
+                is_subm=False, plan=plan, in_plans=x._plans))
+        feats = sparse_conv(x.features, plan, self.weight, self.bias, self.algo, self.allow_tf32)
+        return x._derived(feats, plan.out_coords, plan.out_spatial_shape, indice_dict, plans)
+
+    def extra_repr(self) -> str:
+        s = f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}"
+        if not self.inverse:  # an inverse conv takes the rest from its paired conv
+            s += f", stride={self.stride}, padding={self.padding}, dilation={self.dilation}"
+        return s + f", bias={self.bias is not None}, indice_key={self.indice_key!r}, algo={self.algo!r}"
+
+
+class SparseConv3d(SparseConvolution):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, bias=True, indice_key=None, algo=None, name=None, **kwargs):
+        super().__init__(3, in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, indice_key=indice_key, algo=algo, name=name, **kwargs)
+
+
+class SparseConvTranspose3d(SparseConvolution):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, bias=True, indice_key=None, algo=None, name=None, **kwargs):
+        super().__init__(3, in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, transposed=True, indice_key=indice_key, algo=algo,
+                         name=name, **kwargs)
+
+
+class SparseInverseConv3d(SparseConvolution):
+    """Maps the output of the conv named by indice_key back onto that conv's input coords,
+    with the paired conv's stride, padding and dilation (only the kernel size is given)."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, algo=None,
+                 name=None, **kwargs):
+        super().__init__(3, in_channels, out_channels, kernel_size, bias=bias, inverse=True,
+                         indice_key=indice_key, algo=algo, name=name, **kwargs)
+
+
+class SubMConv3d(_SubMConv3d, SparseModule):
+    """spconv's SubMConv3d: flexplan's SubMConv3d with spconv's constructor and indice_key.
+
+    Plans are shared by geometry through the tensor, so indice_key only matters to keep
+    spconv's errors (an inverse conv paired with a submanifold key).
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, bias=True, indice_key=None, algo=None, name=None, *,
+                 allow_tf32: bool = False, device=None, dtype=None):
+        if triple(stride, "stride") != (1, 1, 1):
+            raise ValueError(f"submanifold convolution has stride 1, got {stride}")
+        if groups != 1:
+            raise NotImplementedError("grouped sparse convolution is not supported (groups=1)")
+        # padding is moot: submanifold outputs are the input sites (spconv ignores it too).
+        super().__init__(in_channels, out_channels, kernel_size, dilation, bias,
+                         algo=algo_name(algo), allow_tf32=allow_tf32, device=device, dtype=dtype)
+        self.name, self.indice_key = name, indice_key
+
+    def forward(self, x: SparseConvTensor) -> SparseConvTensor:
+        _check_input(self, x)
+        out = super().forward(x)
+        out.indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
+            x.indices, x.indices, x.spatial_shape, x.spatial_shape, is_subm=True,
+            plan=x.get_plan(self.geometry), in_plans=x._plans))
+        return out

@@ -10,8 +10,6 @@ from flexplan import ConvGeometry, build_plan
 from flexplan.cache.format import PlanFileError, read_plan, write_plan
 from flexplan.cache.key import plan_key
 from flexplan.cache.policy import Policy, parse_bytes
-from flexplan.kernel_configs import PLAN_BLOCK_SIZES
-from flexplan.planner.segments import gather_map
 from flexplan.workloads import random_coords
 
 SHAPE = (12, 10, 9)
@@ -35,17 +33,6 @@ def make_coords(num=300, seed=0, batch_size=2):
     return random_coords(num, SHAPE, batch_size, generator=torch.Generator().manual_seed(seed))
 
 
-def strided_like_plan(plan):
-    """A plan with a bwd map and N_out != N_in (the strided planner's shape), for the format."""
-    half = plan.num_out // 2
-    fwd = gather_map(plan.fwd.neighbor_map[:half].contiguous(), PLAN_BLOCK_SIZES)
-    bwd = gather_map(plan.fwd.neighbor_map.clamp(max=half - 1).contiguous(), PLAN_BLOCK_SIZES)
-    geom = ConvGeometry.make(3, stride=2, padding=1, submanifold=False)
-    return dataclasses.replace(plan, geometry=geom, fwd=fwd, bwd=bwd, num_out=half,
-                               out_coords=plan.out_coords[:half].contiguous(),
-                               out_spatial_shape=(6, 5, 5))
-
-
 def round_trip(plan, key="k" * 32):
     buf = io.BytesIO()
     write_plan(buf, plan, key)
@@ -59,21 +46,25 @@ def load_bytes(tmp_path, data, key="k" * 32, device="cpu"):
     return plan
 
 
-@pytest.mark.parametrize("geometry", [ConvGeometry.submanifold_conv(3),
-                                      ConvGeometry.submanifold_conv((3, 1, 5), dilation=(1, 1, 2))])
+GEOMETRIES = [ConvGeometry.submanifold_conv(3),
+              ConvGeometry.submanifold_conv((3, 1, 5), dilation=(1, 1, 2)),
+              ConvGeometry.make(3, stride=2, padding=1, submanifold=False),   # has a bwd map
+              ConvGeometry.make(2, stride=2, submanifold=False, transposed=True)]
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=["subm3", "subm_dilated", "strided", "transposed"])
 def test_round_trip_every_field(tmp_path, geometry):
-    coords = make_coords()
-    plan = build_plan(coords, SHAPE, 2, geometry)
+    plan = build_plan(make_coords(), SHAPE, 2, geometry)
+    assert (plan.bwd is None) == geometry.submanifold
     assert_same_plan(plan, load_bytes(tmp_path, round_trip(plan)))
 
 
-def test_round_trip_with_bwd_map_and_int64_fallback(tmp_path):
-    plan = strided_like_plan(build_plan(make_coords(), SHAPE, 2, ConvGeometry.submanifold_conv(3)))
-    assert_same_plan(plan, load_bytes(tmp_path, round_trip(plan)))
+def test_round_trip_int64_values_and_empty_plan(tmp_path):
+    plan = build_plan(make_coords(), SHAPE, 2, GEOMETRIES[2])
     # Values beyond int32 keep their dtype; an empty plan round-trips too.
     wide = dataclasses.replace(plan, valid_signal_seg=plan.valid_signal_seg.to(torch.int64) + 2**40)
     assert_same_plan(wide, load_bytes(tmp_path, round_trip(wide)))
-    empty = build_plan(torch.zeros((0, 4), dtype=torch.int32), SHAPE, 1, ConvGeometry.submanifold_conv(3))
+    empty = build_plan(torch.zeros((0, 4), dtype=torch.int32), SHAPE, 1, GEOMETRIES[0])
     assert_same_plan(empty, load_bytes(tmp_path, round_trip(empty)))
 
 
@@ -104,7 +95,7 @@ def test_damaged_files_are_detected(tmp_path, damage):
 
 
 def test_plan_pickles_for_dataloader_workers():
-    plan = strided_like_plan(build_plan(make_coords(), SHAPE, 2, ConvGeometry.submanifold_conv(3)))
+    plan = build_plan(make_coords(), SHAPE, 2, GEOMETRIES[2])
     assert_same_plan(plan, pickle.loads(pickle.dumps(plan)))
 
 

@@ -69,7 +69,8 @@ def check(resolution, device):
     got = [y.feats] + [p.grad for p in net.parameters()]
     want = [ref] + [p.grad for p in ref_params]
     for g, r in zip(got, want):
-        worst = max(worst, float((g.detach().double() - r.detach()).abs().max() / r.abs().max()))
+        g, r = g.detach().double(), r.detach()
+        worst = max(worst, float((g - r).abs().max() / r.abs().max()))
     print(f"R={resolution}: {coords.shape[0]} voxels, {len(net)} layers "
           f"{' -> '.join(map(str, CHANNELS))}; plans built: {len(x._plans)}; "
           f"max relative error of output and all gradients vs float64: {worst:.2e}")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flexplan import ConvGeometry, build_plan
-from flexplan.cache import PlanCache
+from flexplan.cache import PlanCache, plan_cache
 from flexplan.cache.disk import verify_file
 from flexplan.cache.policy import Policy
 from test_cache_format import SHAPE, assert_same_plan, make_coords
@@ -84,8 +84,6 @@ class ShellDataset(torch.utils.data.Dataset):
         return 6
 
     def __getitem__(self, index):
-        from flexplan.cache import plan_cache
-
         coords = make_coords(seed=200 + index)
         before = plan_cache.stats().get("builds", 0)
         plan = plan_cache.get_or_build(coords, SHAPE, 2, GEOM, check=False)
@@ -111,7 +109,8 @@ def run_epochs(device, pin):
 
 def test_dataloader_workers_build_then_load(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXPLAN_CACHE_DIR", str(tmp_path))  # inherited by the workers
-    monkeypatch.setenv("FLEXPLAN_PLAN_CACHE", "always")
+    monkeypatch.setenv("FLEXPLAN_PLAN_CACHE", "always")  # spawned workers read it
+    monkeypatch.setattr(plan_cache.policy, "mode", "always")  # forked workers copy it
     first, second = run_epochs("cpu", pin=False)
     assert all(first) and not any(second)  # epoch 2: new workers, every plan from disk
 
@@ -119,7 +118,8 @@ def test_dataloader_workers_build_then_load(tmp_path, monkeypatch):
 @pytest.mark.gpu
 def test_dataloader_pinned_plans_to_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXPLAN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("FLEXPLAN_PLAN_CACHE", "always")
+    monkeypatch.setenv("FLEXPLAN_PLAN_CACHE", "always")  # spawned workers read it
+    monkeypatch.setattr(plan_cache.policy, "mode", "always")  # forked workers copy it
     first, second = run_epochs("cuda", pin=True)
     assert all(first) and not any(second)
 

@@ -11,7 +11,6 @@ Results go to scripts/results/bench_cache.md (and $OUT if set).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shutil
 import statistics

@@ -39,23 +39,24 @@ def _shift_right_logical(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def _finalize(x: torch.Tensor, mul1: int, mul2: int) -> torch.Tensor:
-    x = x ^ _shift_right_logical(x, 30)
-    x = x * mul1  # int64 multiplication wraps modulo 2**64 (two's complement) on CPU and GPU
-    x = x ^ _shift_right_logical(x, 27)
-    x = x * mul2
-    return x ^ _shift_right_logical(x, 31)
-
-
 def coords_digest(coords: torch.Tensor) -> tuple[int, int]:
-    """Two 64-bit lanes over the coordinate rows, in order; computed on coords' device."""
+    """Two 64-bit lanes over the coordinate rows, in order; computed on coords' device.
+
+    Both lanes go through the same ops as rows of one [2, W] tensor: few kernel launches.
+    """
     flat = coords.contiguous().reshape(-1)
     if flat.numel() % 2:  # pad to whole int64 words (never for [N, 4] int32)
         flat = torch.cat([flat, flat.new_zeros(1)])
     words = flat.view(torch.int64) if flat.element_size() == 4 else flat.to(torch.int64)
+    step, mul1, mul2 = torch.tensor(_LANES, dtype=torch.int64, device=words.device).t()[:, :, None]
     position = torch.arange(words.numel(), device=words.device, dtype=torch.int64)
-    lanes = [_finalize(words ^ (position * step), m1, m2).sum() for step, m1, m2 in _LANES]
-    return tuple(int(v) & ((1 << 64) - 1) for v in torch.stack(lanes).tolist())  # one sync
+    x = words ^ (position * step)  # [2, W]; int64 products wrap modulo 2**64 on CPU and GPU
+    x = x ^ _shift_right_logical(x, 30)
+    x = x * mul1
+    x = x ^ _shift_right_logical(x, 27)
+    x = x * mul2
+    x = x ^ _shift_right_logical(x, 31)
+    return tuple(int(v) & ((1 << 64) - 1) for v in x.sum(dim=1).tolist())  # one sync
 
 
 def plan_key(coords: torch.Tensor, spatial_shape, batch_size: int, geometry: ConvGeometry) -> str:

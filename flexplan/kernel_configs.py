@@ -41,8 +41,9 @@ class KernelConfig:
     num_stages: int = 2
 
     def launch_kwargs(self) -> dict:
+        """Constexprs and launch options; the split count itself is a grid axis."""
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
-                    SPLITK=self.splitk, num_warps=self.num_warps, num_stages=self.num_stages)
+                    SPLIT=self.splitk > 1, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 @dataclass(frozen=True)

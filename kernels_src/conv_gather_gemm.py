@@ -8,13 +8,14 @@ Constexpr switches (each a small, enumerable set, so the AOT build can list them
   MASKED:    rows are taken in the plan's Gray-code order and each block of rows only visits the
              offsets its rows have (valid_kernel / valid_kernel_seg for BLOCK_M); else all V.
   REVERSE_V: map column v pairs with weight offset V - 1 - v (submanifold grad-input).
-  SPLITK:    grid axis 1 splits the reduction; each split writes its fp32 partial sum to
-             out[split] of a [SPLITK, M, N] workspace that the caller reduces (and adds bias to).
-  HAS_BIAS:  add bias[n] (only when SPLITK == 1; bias_ptr is a dummy otherwise).
+  SPLIT:     grid axis 1 (of size S) splits the reduction; each split writes its fp32 partial
+             sum to out[split] of an [S, M, N] workspace that the caller reduces (and adds bias
+             to). The split count comes from the grid, so it costs no compiled variant.
+  HAS_BIAS:  add bias[n] (only without SPLIT; bias_ptr is a dummy otherwise).
   ALLOW_TF32: fp32 inputs go through TF32 tensor cores.
 
-Weight element (k, n) of offset w is weight_ptr[w * stride_wv + k * stride_wk + n * stride_wn],
-so the forward ([Co, V, Ci]: k = ci, n = co) and grad-input (k = co, n = ci) read one layout.
+The weight is [N, V, K] contiguous: the layer weight [Co, V, Ci] for the forward, its transpose
+[Ci, V, Co] for grad-input; either way tiles are K-major, which TF32 tensor cores require.
 """
 import triton
 import triton.language as tl
@@ -26,8 +27,8 @@ from .conv_common import dot_acc
 def conv_gather_gemm_kernel(
     src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, valid_kernel_ptr, valid_kernel_seg_ptr,
     out_ptr,
-    M, K, N, V, stride_wv, stride_wk, stride_wn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITK: tl.constexpr,
+    M, K, N, V,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     MASKED: tl.constexpr, REVERSE_V: tl.constexpr, HAS_BIAS: tl.constexpr,
     ALLOW_TF32: tl.constexpr,
 ):
@@ -54,8 +55,9 @@ def conv_gather_gemm_kernel(
     # This split's share of the (offset, K-chunk) iterations.
     num_kc = tl.cdiv(K, BLOCK_K)
     total = num_v * num_kc
-    it_lo = total * pid_k // SPLITK
-    it_hi = total * (pid_k + 1) // SPLITK
+    splits = tl.num_programs(1)
+    it_lo = total * pid_k // splits
+    it_hi = total * (pid_k + 1) // splits
 
     if src_ptr.dtype.element_ty == tl.float64:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
@@ -77,13 +79,12 @@ def conv_gather_gemm_kernel(
         k_mask = offs_k < K
         a = tl.load(src_ptr + nbr.to(tl.int64)[:, None] * K + offs_k[None, :],
                     mask=(nbr >= 0)[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(weight_ptr + w_off * stride_wv + offs_k[:, None] * stride_wk
-                    + offs_n[None, :] * stride_wn,
+        b = tl.load(weight_ptr + (offs_n[None, :] * V + w_off) * K + offs_k[:, None],
                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = dot_acc(a, b, acc, ALLOW_TF32)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
-    if SPLITK == 1:
+    if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)[None, :]
         tl.store(out_ptr + rows[:, None] * N + offs_n[None, :],

@@ -2,9 +2,9 @@
 
 dW[:, v, :] = sum over the pairs p of offset v of grad_out[o_p]^T in[i_p]: per offset a
 [Co, P_v] x [P_v, Ci] GEMM whose reduction runs over that offset's pairs. Grid:
-(Co tiles x Ci tiles, V, SPLITK); split s of offset v takes the s-th of SPLITK equal slices of
-its pairs. SPLITK == 1 stores dW ([Co, V, Ci], the weight's layout) in the weight dtype; else
-each split stores its fp32 partial sum into a [SPLITK, Co, V, Ci] workspace the caller reduces.
+(Co tiles x Ci tiles, V, S); split s of offset v takes the s-th of S equal slices of its pairs.
+Without SPLIT (S = 1) dW ([Co, V, Ci], the weight's layout) is stored in the weight dtype; with
+it each split stores its fp32 partial sum into an [S, Co, V, Ci] workspace the caller reduces.
 """
 import triton
 import triton.language as tl
@@ -16,7 +16,7 @@ from .conv_common import dot_acc
 def conv_wgrad_kernel(
     grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr, out_ptr,
     CO, CI, V,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     ALLOW_TF32: tl.constexpr,
 ):
     pid_mn = tl.program_id(0)
@@ -34,8 +34,9 @@ def conv_wgrad_kernel(
 
     seg_lo = tl.load(pair_seg_ptr + v)
     count = tl.load(pair_seg_ptr + v + 1) - seg_lo
-    p_lo = seg_lo + count * pid_k // SPLITK
-    p_hi = seg_lo + count * (pid_k + 1) // SPLITK
+    splits = tl.num_programs(2)
+    p_lo = seg_lo + count * pid_k // splits
+    p_hi = seg_lo + count * (pid_k + 1) // splits
 
     if src_ptr.dtype.element_ty == tl.float64:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float64)
@@ -54,7 +55,7 @@ def conv_wgrad_kernel(
 
     out_offs = offs_co[:, None] * (V * CI) + v * CI + offs_ci[None, :]
     out_mask = co_mask[:, None] & ci_mask[None, :]
-    if SPLITK == 1:
+    if not SPLIT:
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         tl.store(out_ptr + pid_k.to(tl.int64) * CO * V * CI + out_offs, acc, mask=out_mask)

@@ -74,8 +74,9 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
         valid_kernel_seg = gmap.valid_kernel_seg[cfg.block_m]
     else:
         order = valid_kernel = valid_kernel_seg = nmap  # unused by the kernel
-    # Weight [Co, V, Ci]: element (k, n) of offset w; fwd reads k = ci, n = co; dgrad k = co, n = ci.
-    stride_wk, stride_wn = (1, v * ci) if part == "fwd" else (v * ci, 1)
+    # The kernel reads the weight as [N, V, K]: [Co, V, Ci] as is, or transposed for grad-input
+    # (a copy of V*Ci*Co elements, small next to the convolution; keeps tiles K-major).
+    w_nvk = weight if part == "fwd" else weight.transpose(0, 2).contiguous()
     split = cfg.splitk > 1
     acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
     dest = torch.empty((cfg.splitk, m, n), dtype=acc_dtype, device=src.device) if split else out
@@ -84,8 +85,8 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
 
     grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n), cfg.splitk)
     launch(conv_gather_gemm_kernel, grid,
-           src, weight, bias if has_bias else weight, nmap, order, valid_kernel, valid_kernel_seg,
-           dest, m, k, n, v, ci, stride_wk, stride_wn,
+           src, w_nvk, bias if has_bias else w_nvk, nmap, order, valid_kernel, valid_kernel_seg,
+           dest, m, k, n, v,
            MASKED=masked, REVERSE_V=reverse, HAS_BIAS=has_bias, ALLOW_TF32=allow_tf32,
            **cfg.launch_kwargs())
     if split:

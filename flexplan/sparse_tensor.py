@@ -23,25 +23,34 @@ def check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batc
         raise SparseTensorError(f"coords must have shape [N, 4] (batch, x, y, z), got {tuple(coords.shape)}")
     if coords.shape[0] == 0:
         return
+    n = coords.shape[0]
     upper = torch.tensor([batch_size, *spatial_shape], dtype=torch.int32, device=coords.device)
     bad = ((coords < 0) | (coords >= upper)).any(dim=1)
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
+    first_bad = torch.where(bad.any(), bad.to(torch.int8).argmax(), n)  # argmax: first True
+    if check_duplicates and coords.is_cuda:
+        # A hash insert notices repeated keys without sorting; both checks share one host sync.
+        from .planner.hashmap import first_duplicate_row
+
+        dup = first_duplicate_row(coords, spatial_shape, batch_size)
+        bad_row, dup_row = torch.cat([first_bad.view(1).to(torch.int32), dup]).tolist()
+    else:
+        bad_row, dup_row = int(first_bad), n
+    if bad_row < n:
         raise SparseTensorError(
-            f"coords row {row} = {coords[row].tolist()} is outside batch_size={batch_size}, "
+            f"coords row {bad_row} = {coords[bad_row].tolist()} is outside batch_size={batch_size}, "
             f"spatial_shape={tuple(spatial_shape)} (each entry must be in [0, size))")
-    if check_duplicates:
+    if check_duplicates and not coords.is_cuda:
         from .planner.keys import pack_coords  # local import: keys depends on nothing here
 
         keys = pack_coords(coords, spatial_shape, batch_size)
         sorted_keys, order = torch.sort(keys, stable=True)
-        dup = sorted_keys[1:] == sorted_keys[:-1]
-        if bool(dup.any()):
-            pos = int(dup.nonzero()[0, 0])
-            a, b = sorted(int(i) for i in order[pos:pos + 2])
-            raise SparseTensorError(
-                f"duplicate coordinate {coords[a].tolist()} at rows {a} and {b}; "
-                "pass merge_duplicates=True to SparseTensor to sum their features")
+        dup = (sorted_keys[1:] == sorted_keys[:-1]).nonzero()
+        dup_row = int(order[dup[0, 0]]) if dup.numel() else n
+    if dup_row < n:
+        a, b = (coords == coords[dup_row]).all(dim=1).nonzero()[:2, 0].tolist()
+        raise SparseTensorError(
+            f"duplicate coordinate {coords[a].tolist()} at rows {a} and {b}; "
+            "pass merge_duplicates=True to SparseTensor to sum their features")
 
 
 def merge_duplicate_coords(feats: torch.Tensor, coords: torch.Tensor,

@@ -10,17 +10,12 @@ from ..plan import MISSING, GatherMap
 _WORD_BITS = 62
 
 
-def gray_code_order(present: torch.Tensor) -> torch.Tensor:
-    """Permutation sorting rows of the bool [M, V] mask by their rank in the reflected Gray code.
-
-    Neighbouring rows in that order differ in few offsets, so a block of them shares most of its
-    offsets and the masked kernel skips the rest. Rank = inverse Gray code of the mask read as a
-    big integer (offset V-1 most significant): bit i of the rank is the XOR of mask bits >= i.
+def gray_rank_words(present: torch.Tensor) -> list[torch.Tensor]:
+    """Rank of each row of the bool [M, V] mask in the reflected Gray code, as int64 words of
+    _WORD_BITS bits, least significant first: the inverse Gray code of the mask read as a big
+    integer (offset V-1 most significant), i.e. bit i of the rank is the XOR of mask bits >= i.
     """
     m, v = present.shape
-    order = torch.arange(m, device=present.device)
-    if m == 0:
-        return order
     ranks = []
     carry = torch.zeros(m, dtype=torch.int64, device=present.device)
     all_ones = (1 << _WORD_BITS) - 1
@@ -32,9 +27,32 @@ def gray_code_order(present: torch.Tensor) -> torch.Tensor:
         word = word ^ (carry * all_ones)  # parity of the higher words flips every bit here
         carry = word & 1
         ranks.append(word)
-    for rank in reversed(ranks):  # stable sorts from the least significant word upward
+    return ranks[::-1]
+
+
+def sort_by_rank_words(ranks: list[torch.Tensor], volume: int) -> torch.Tensor:
+    """Stable permutation sorting rows by their multi-word rank (words least significant first)."""
+    m = ranks[0].numel() if ranks else 0
+    order = torch.arange(m, device=ranks[0].device if ranks else None)
+    if m == 0:
+        return order
+    if volume <= 31:  # the rank fits in int32: a cheaper radix sort, same permutation
+        return torch.sort(ranks[0].to(torch.int32), stable=True).indices
+    for rank in ranks:  # stable sorts from the least significant word upward
         order = order[torch.sort(rank[order], stable=True).indices]
     return order
+
+
+def gray_code_order(present: torch.Tensor) -> torch.Tensor:
+    """Permutation sorting rows of the bool [M, V] mask by their rank in the reflected Gray code.
+
+    Neighbouring rows in that order differ in few offsets, so a block of them shares most of its
+    offsets and the masked kernel skips the rest.
+    """
+    m, v = present.shape
+    if m == 0:
+        return torch.arange(0, device=present.device)
+    return sort_by_rank_words(gray_rank_words(present), v)
 
 
 def block_valid_offsets(present_sorted: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +68,23 @@ def block_valid_offsets(present_sorted: torch.Tensor, block: int) -> tuple[torch
     return valid_kernel, seg
 
 
-def gather_map(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...]) -> GatherMap:
-    """Schedule the masked kernels for one neighbour map."""
+def _use_triton(neighbor_map: torch.Tensor, backend: str) -> bool:
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown segments backend {backend!r}; choose auto, torch or triton")
+    return backend == "triton" or (backend == "auto" and neighbor_map.is_cuda)
+
+
+def gather_map(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],
+               backend: str = "auto") -> GatherMap:
+    """Schedule the masked kernels for one neighbour map.
+
+    backend: "torch", "triton" (same results, reads the map in place, one host sync) or
+    "auto" (Triton on a GPU).
+    """
+    if _use_triton(neighbor_map, backend):
+        from .segments_triton import gather_map_triton
+
+        return gather_map_triton(neighbor_map, block_sizes)
     present = neighbor_map != MISSING
     order = gray_code_order(present)
     present_sorted = present[order]
@@ -61,8 +94,13 @@ def gather_map(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...]) -> Gath
     return GatherMap(neighbor_map, order.to(torch.int32), kernels, segs)
 
 
-def valid_signal(neighbor_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def valid_signal(neighbor_map: torch.Tensor,
+                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input rows, output rows, seg [V + 1]) of all pairs, grouped by offset, ascending rows."""
+    if _use_triton(neighbor_map, backend):
+        from .segments_triton import valid_signal_triton
+
+        return valid_signal_triton(neighbor_map)
     v = neighbor_map.shape[1]
     offset, out_rows = (neighbor_map.t() != MISSING).nonzero(as_tuple=True)
     in_rows = neighbor_map[out_rows, offset]

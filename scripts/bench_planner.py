@@ -1,0 +1,138 @@
+"""Plan build time (submanifold 3x3x3): flexplan vs spconv 2.3's index generation, one GPU run.
+
+Sphere shells at R = 256, 512, 1024 (batch 1). flexplan: the whole build_plan (coords check,
+hash-table neighbour map, Gray-code sort, valid_kernel for every PLAN_BLOCK_SIZES entry,
+valid_signal) and each part alone; the torch backend for reference. spconv: the index
+generation SubMConv3d runs on its first call, get_indice_pairs_implicit_gemm (MaskImplicitGemm,
+training: forward and backward masks, mask argsort) and get_indice_pairs (native algorithm).
+Times: triton.testing.do_bench median ms (warm-up included). Also checks that the Triton plan
+equals the torch plan exactly. Writes scripts/results/bench_planner.md.
+
+Usage: python scripts/bench_planner.py [--sizes 256 512 1024]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from flexplan import ConvGeometry, build_plan
+from flexplan.kernel_configs import PLAN_BLOCK_SIZES
+from flexplan.planner.hashmap import submanifold_neighbor_map_triton
+from flexplan.planner.reference import submanifold_neighbor_map_torch
+from flexplan.planner.segments import gather_map, valid_signal
+from flexplan.sparse_tensor import check_coords
+from flexplan.workloads import sphere_shell
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_planner.md")
+DATE = "2026-11-22"
+GEOMETRY = ConvGeometry.make(3)
+
+
+def bench(fn):
+    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def plans_equal(a, b) -> bool:
+    ta, tb = a.tensors(), b.tensors()
+    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def spconv_timers(coords, r):
+    """{name: fn} of spconv's SubMConv3d(k=3) index generation, or {} without spconv."""
+    try:
+        from spconv.core import ConvAlgo
+        from spconv.pytorch import ops
+    except ImportError as e:
+        print("spconv unavailable:", e)
+        return {}
+    args = dict(ksize=[3] * 3, stride=[1] * 3, padding=[1] * 3, dilation=[1] * 3,
+                out_padding=[0] * 3, subm=True, transpose=False)
+    return {
+        "spconv implicit-gemm pairs (train)": lambda: ops.get_indice_pairs_implicit_gemm(
+            coords, 1, [r] * 3, ConvAlgo.MaskImplicitGemm, is_train=True, **args),
+        "spconv native pairs": lambda: ops.get_indice_pairs(
+            coords, 1, [r] * 3, ConvAlgo.Native, args["ksize"], args["stride"], args["padding"],
+            args["dilation"], args["out_padding"], True, False),
+    }
+
+
+def run_size(r):
+    coords = sphere_shell(r, 1, device="cuda")
+    shape = (r, r, r)
+    nmap = submanifold_neighbor_map_triton(coords, shape, 1, GEOMETRY)
+    equal = plans_equal(build_plan(coords, shape, 1, GEOMETRY, backend="triton"),
+                        build_plan(coords, shape, 1, GEOMETRY, backend="torch"))
+    times = {
+        "flexplan build_plan (check=True)": lambda: build_plan(coords, shape, 1, GEOMETRY),
+        "flexplan build_plan (check=False)": lambda: build_plan(coords, shape, 1, GEOMETRY,
+                                                                check=False),
+        "  check_coords": lambda: check_coords(coords, shape, 1),
+        "  neighbour map (hash table)": lambda: submanifold_neighbor_map_triton(
+            coords, shape, 1, GEOMETRY),
+        "  gray sort + valid_kernel (all blocks)": lambda: gather_map(nmap, PLAN_BLOCK_SIZES),
+        "  valid_signal": lambda: valid_signal(nmap),
+        "torch backend build_plan": lambda: build_plan(coords, shape, 1, GEOMETRY,
+                                                       backend="torch"),
+        "  torch neighbour map": lambda: submanifold_neighbor_map_torch(coords, shape, 1,
+                                                                        GEOMETRY),
+        "  torch gray sort + valid_kernel": lambda: gather_map(nmap, PLAN_BLOCK_SIZES,
+                                                               backend="torch"),
+        "  torch valid_signal": lambda: valid_signal(nmap, backend="torch"),
+    }
+    times.update(spconv_timers(coords, r))
+    row = {"R": r, "N": coords.shape[0], "equal": equal}
+    for name, fn in times.items():
+        try:
+            row[name] = bench(fn)
+        except Exception as e:  # keep the other rows; report the failure
+            row[name] = f"failed: {type(e).__name__}: {e}"[:120]
+        print(f"R={r} {name}: {row[name]}", flush=True)
+    del nmap
+    torch.cuda.empty_cache()
+    return row
+
+
+def write_report(rows, header):
+    names = [k for k in rows[0] if k not in ("R", "N", "equal")]
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+    lines = ["# bench_planner: submanifold 3x3x3 plan build, flexplan vs spconv 2.3", "", header, "",
+             "Sphere shells (flexplan.workloads.sphere_shell, batch 1). Median ms "
+             "(triton.testing.do_bench). Indented rows are parts of the row above.", "",
+             "| step | " + " | ".join(f"R={r['R']} (N={r['N']})" for r in rows) + " |",
+             "|---|" + "---|" * len(rows)]
+    for name in names:
+        lines.append(f"| {name.replace('  ', '&nbsp;&nbsp;')} | "
+                     + " | ".join(fmt(r.get(name)) for r in rows) + " |")
+    lines.append("| Triton plan == torch plan | " + " | ".join(str(r["equal"]) for r in rows) + " |")
+    sp = "spconv implicit-gemm pairs (train)"
+    for r in rows:
+        ours = r["flexplan build_plan (check=True)"]
+        if isinstance(ours, float) and isinstance(r.get(sp), float):
+            lines.append(f"- R={r['R']}: spconv / flexplan full plan = {r[sp] / ours:.2f}x")
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024])
+    args = parser.parse_args()
+    try:
+        import spconv
+        sp_version = spconv.__version__
+    except ImportError:
+        sp_version = "not installed"
+    header = (f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}; Triton "
+              f"{triton.__version__}; spconv {sp_version}; date {DATE}.")
+    print(header)
+    write_report([run_size(r) for r in args.sizes], header)
+
+
+if __name__ == "__main__":
+    main()

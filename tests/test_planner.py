@@ -1,0 +1,218 @@
+"""Planner: the Triton hash-table planner equals the torch planner exactly, and every plan
+satisfies the invariants the kernels rely on (checked against plain-Python references)."""
+import pytest
+import torch
+
+from flexplan import ConvGeometry, build_plan
+from flexplan.kernel_configs import PLAN_BLOCK_SIZES
+from flexplan.plan import MISSING
+from flexplan.planner.hashmap import first_duplicate_row, submanifold_neighbor_map_triton
+from flexplan.planner.keys import key_dtype
+from flexplan.planner.offsets import kernel_offsets
+from flexplan.planner.reference import submanifold_neighbor_map_torch
+from flexplan.planner.segments import gather_map, valid_signal
+from flexplan.workloads import random_coords, sphere_shell
+
+# (spatial_shape, batch, kernel_size, dilation, voxels drawn): sizes not multiples of blocks.
+CASES = [
+    ((10, 12, 9), 2, 3, 1, 300),
+    ((11, 7, 9), 3, 3, 2, 150),
+    ((9, 9, 9), 1, (3, 1, 3), 1, 250),
+    ((6, 7, 6), 2, 5, (1, 2, 1), 170),
+]
+BIG_SHAPE, BIG_BATCH = (2048, 2048, 2048), 8  # 2^36 cells: 64-bit keys
+
+
+def _coords(shape, batch, n, seed, device):
+    return random_coords(n, shape, batch, generator=torch.Generator().manual_seed(seed),
+                         device=device)
+
+
+def _far_corner_coords(n, seed, device):
+    """Dense-ish clump at the far corner of the 64-bit grid, so keys exceed 2^31."""
+    clump = _coords((8, 8, 8), 2, n, seed, "cpu")
+    offset = torch.tensor([BIG_BATCH - 2, *(s - 8 for s in BIG_SHAPE)], dtype=torch.int32)
+    return (clump + offset).to(device)
+
+
+def _plans_equal(a, b):
+    ta, tb = a.tensors(), b.tensors()
+    assert ta.keys() == tb.keys()
+    for name in ta:
+        assert torch.equal(ta[name].cpu(), tb[name].cpu()), name
+
+
+def _neighbors_by_dict(coords, shape, geometry):
+    """Plain-Python neighbour map: the definition, independent of both planners."""
+    rows = {tuple(c): i for i, c in enumerate(coords.tolist())}
+    offsets = kernel_offsets(geometry).tolist()
+    out = []
+    for b, x, y, z in coords.tolist():
+        line = []
+        for dx, dy, dz in offsets:
+            p = (x + dx, y + dy, z + dz)
+            inside = all(0 <= q < s for q, s in zip(p, shape))
+            line.append(rows.get((b, *p), MISSING) if inside else MISSING)
+        out.append(line)
+    return torch.tensor(out, dtype=torch.int32).view(len(out), len(offsets))
+
+
+def _gray_rank(mask_row):
+    """Inverse Gray code of the mask read as an integer with offset V-1 most significant."""
+    m = sum(1 << v for v, bit in enumerate(mask_row) if bit)
+    rank, shifted = m, m >> 1
+    while shifted:
+        rank ^= shifted
+        shifted >>= 1
+    return rank
+
+
+def _check_schedule(nmap, gmap, signal):
+    """Gray order, valid_kernel and valid_signal against plain-Python references."""
+    nmap = nmap.cpu()
+    m, v = nmap.shape
+    present = (nmap != MISSING).tolist()
+    ranks = [_gray_rank(row) for row in present]
+    order = gmap.sorted_idx.cpu().tolist()
+    assert sorted(order) == list(range(m))                                   # a permutation
+    assert order == sorted(range(m), key=lambda i: (ranks[i], i))            # stable Gray order
+    for block in PLAN_BLOCK_SIZES:
+        kernel, seg = gmap.valid_kernel[block].cpu().tolist(), gmap.valid_kernel_seg[block].cpu().tolist()
+        n_blocks = -(-m // block)
+        assert len(seg) == n_blocks + 1 and seg[0] == 0
+        for k in range(n_blocks):
+            rows = order[k * block:(k + 1) * block]
+            union = sorted({o for r in rows for o in range(v) if present[r][o]})
+            assert kernel[seg[k]:seg[k + 1]] == union, (block, k)
+        assert seg[-1] == len(kernel)
+    sig_i, sig_o, sig_seg = (t.cpu().tolist() for t in signal)
+    pairs = [(nmap[i, o].item(), i) for o in range(v) for i in range(m) if present[i][o]]
+    assert list(zip(sig_i, sig_o)) == pairs
+    counts = [sum(present[i][o] for i in range(m)) for o in range(v)]
+    assert sig_seg == [sum(counts[:o]) for o in range(v + 1)]
+
+
+@pytest.mark.parametrize("shape,batch,kernel,dilation,n", CASES)
+def test_triton_plan_equals_torch_plan(shape, batch, kernel, dilation, n, device):
+    coords = _coords(shape, batch, n, seed=sum(shape) + batch, device=device)
+    geometry = ConvGeometry.make(kernel, dilation)
+    triton_plan = build_plan(coords, shape, batch, geometry, backend="triton")
+    _plans_equal(triton_plan, build_plan(coords, shape, batch, geometry, backend="torch"))
+    assert torch.equal(triton_plan.fwd.neighbor_map.cpu(),
+                       _neighbors_by_dict(coords.cpu(), shape, geometry))
+
+
+def test_64bit_keys(device):
+    assert key_dtype(BIG_SHAPE, BIG_BATCH) == torch.int64
+    coords = _far_corner_coords(200, seed=3, device=device)
+    geometry = ConvGeometry.make(3)
+    nmap = submanifold_neighbor_map_triton(coords, BIG_SHAPE, BIG_BATCH, geometry)
+    assert torch.equal(nmap, submanifold_neighbor_map_torch(coords, BIG_SHAPE, BIG_BATCH, geometry))
+    assert torch.equal(nmap.cpu(), _neighbors_by_dict(coords.cpu(), BIG_SHAPE, geometry))
+    assert (nmap != MISSING).sum() > 3 * coords.shape[0]  # the clump really has neighbours
+
+
+@pytest.mark.parametrize("shape,batch,kernel,dilation,n", CASES[:2] + CASES[3:])
+def test_plan_invariants(shape, batch, kernel, dilation, n, device):
+    coords = _coords(shape, batch, n, seed=7, device=device)
+    plan = build_plan(coords, shape, batch, ConvGeometry.make(kernel, dilation), backend="triton")
+    nmap = plan.fwd.neighbor_map.cpu()
+    m, v = nmap.shape
+    rows = torch.arange(m, dtype=torch.int32)
+    assert torch.equal(nmap[:, v // 2], rows)                                # centre is itself
+    i, o = (nmap != MISSING).nonzero(as_tuple=True)                          # symmetry
+    assert torch.equal(nmap[nmap[i, o].long(), v - 1 - o], i.to(torch.int32))
+    signal = (plan.valid_signal_i, plan.valid_signal_o, plan.valid_signal_seg)
+    _check_schedule(nmap, plan.fwd, signal)
+
+
+@pytest.mark.parametrize("volume", [27, 125])  # one and three Gray-rank words
+def test_schedule_backends_agree_on_any_map(volume, device):
+    """Non-symmetric maps (strided plans) too: random MISSING pattern and rows."""
+    g = torch.Generator().manual_seed(volume)
+    m = 157
+    nmap = torch.randint(0, 40, (m, volume), generator=g, dtype=torch.int32)
+    nmap[torch.rand(m, volume, generator=g) < 0.6] = MISSING
+    nmap[:5] = MISSING                                                       # empty rows too
+    nmap = nmap.to(device)
+    gmaps = {b: gather_map(nmap, PLAN_BLOCK_SIZES, backend=b) for b in ("torch", "triton")}
+    signals = {b: valid_signal(nmap, backend=b) for b in ("torch", "triton")}
+    for a, b in zip(signals["torch"], signals["triton"]):
+        assert torch.equal(a, b)
+    ga, gb = gmaps["torch"], gmaps["triton"]
+    assert torch.equal(ga.sorted_idx, gb.sorted_idx)
+    for block in PLAN_BLOCK_SIZES:
+        assert torch.equal(ga.valid_kernel[block], gb.valid_kernel[block])
+        assert torch.equal(ga.valid_kernel_seg[block], gb.valid_kernel_seg[block])
+    _check_schedule(nmap, gb, signals["triton"])
+
+
+@pytest.mark.parametrize("n", [0, 1])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tiny_inputs(n, backend, device):
+    coords = torch.tensor([[0, 2, 3, 4]], dtype=torch.int32, device=device)[:n]
+    plan = build_plan(coords, (5, 6, 7), 1, ConvGeometry.make(3), backend=backend)
+    nmap = plan.fwd.neighbor_map
+    assert nmap.shape == (n, 27) and nmap.dtype == torch.int32
+    expected = torch.full((n, 27), MISSING, dtype=torch.int32)
+    expected[:, 13] = 0
+    assert torch.equal(nmap.cpu(), expected)
+    assert plan.fwd.sorted_idx.tolist() == list(range(n))
+    assert plan.num_pairs == n
+    for block in PLAN_BLOCK_SIZES:
+        assert plan.fwd.valid_kernel[block].tolist() == ([13] if n else [])
+        assert plan.fwd.valid_kernel_seg[block].tolist() == ([0, 1] if n else [0])
+
+
+def test_one_voxel_kernel(device):
+    coords = _coords((4, 4, 4), 1, 20, seed=1, device=device)
+    nmap = submanifold_neighbor_map_triton(coords, (4, 4, 4), 1, ConvGeometry.make(1))
+    assert torch.equal(nmap.cpu().view(-1), torch.arange(coords.shape[0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("shape,batch", [((9, 9, 9), 2), (BIG_SHAPE, BIG_BATCH)])
+def test_hash_insert_finds_duplicates(shape, batch, device):
+    coords = _far_corner_coords(60, 5, device) if batch == BIG_BATCH else \
+        _coords(shape, batch, 60, seed=5, device=device)
+    n = coords.shape[0]
+    assert first_duplicate_row(coords, shape, batch).item() == n
+    repeated = torch.cat([coords[:4], coords[2:3], coords[4:]])
+    assert first_duplicate_row(repeated, shape, batch).item() in (2, 4)
+
+
+def test_unknown_backend():
+    coords = torch.zeros((1, 4), dtype=torch.int32)
+    with pytest.raises(ValueError, match="backend"):
+        build_plan(coords, (4, 4, 4), 1, ConvGeometry.make(3), backend="cuda")
+    with pytest.raises(ValueError, match="backend"):
+        valid_signal(torch.zeros((1, 27), dtype=torch.int32), backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resolution,batch", [(256, 2), (512, 1)])
+def test_triton_plan_equals_torch_plan_gpu(resolution, batch):
+    coords = sphere_shell(resolution, batch, device="cuda")
+    shape = (resolution,) * 3
+    for geometry in (ConvGeometry.make(3), ConvGeometry.make((3, 1, 3), 2)):
+        _plans_equal(build_plan(coords, shape, batch, geometry, backend="triton"),
+                     build_plan(coords, shape, batch, geometry, backend="torch"))
+
+
+@pytest.mark.gpu
+def test_64bit_keys_gpu():
+    coords = sphere_shell(256, 1, device="cuda")
+    coords[:, 0] = BIG_BATCH - 1
+    coords[:, 1:] += 2048 - 256
+    geometry = ConvGeometry.make(3)
+    _plans_equal(build_plan(coords, BIG_SHAPE, BIG_BATCH, geometry, backend="triton"),
+                 build_plan(coords, BIG_SHAPE, BIG_BATCH, geometry, backend="torch"))
+
+
+@pytest.mark.gpu
+def test_duplicates_rejected_on_gpu():
+    from flexplan.sparse_tensor import SparseTensorError
+
+    coords = sphere_shell(128, 1, device="cuda")
+    dup = torch.cat([coords, coords[1234:1235]])
+    with pytest.raises(SparseTensorError, match="rows 1234 and"):
+        build_plan(dup, (128,) * 3, 1, ConvGeometry.make(3))

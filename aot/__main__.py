@@ -1,0 +1,77 @@
+"""`python -m aot` (and `make aot`): precompile every kernel variant for CUDA and ROCm targets.
+
+    python -m aot [--targets sm_90,gfx942] [--out aot_bundle] [--kernels wgrad] [--sample N]
+                  [-j N] [--install]
+
+Writes OUT/build.ninja (one edge per binary) and runs ninja on it: parallel, incremental (a
+second run does nothing; touching a kernel source rebuilds its binaries; another Triton version
+rebuilds all), with ninja's progress line. OUT then holds a bundle: manifest.json plus
+<target>/<kernel>/<key>.{cubin,hsaco,json}. --install copies the bundle into the user cache
+(flexplan.paths.aot_cache_dir()), where the runtime finds it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # the build compiles; it never interprets
+
+
+def parse_args(argv):
+    from flexplan.aot.keys import TARGETS
+
+    parser = argparse.ArgumentParser(prog="python -m aot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", default=",".join(TARGETS),
+                        help=f"comma-separated targets (default: all of {','.join(TARGETS)})")
+    parser.add_argument("--out", default="aot_bundle", help="bundle/build directory")
+    parser.add_argument("--kernels", default=None, help="only kernels whose name contains this")
+    parser.add_argument("--sample", type=int, default=None,
+                        help="only the first N variants of each kernel (quick checks, tests)")
+    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--install", action="store_true",
+                        help="copy the finished bundle into the user cache (flexplan.paths.aot_cache_dir())")
+    args = parser.parse_args(argv)
+    args.targets = [t for t in args.targets.split(",") if t]
+    for t in args.targets:
+        if t not in TARGETS:
+            parser.error(f"unknown target {t!r}; choose from {', '.join(TARGETS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from aot.ninja_file import write_build_file
+
+    out = Path(args.out).resolve()
+    count = write_build_file(out, args.targets, args.kernels, args.sample)
+    print(f"aot: {count} binaries for {','.join(args.targets)} in {out}", flush=True)
+    ninja = shutil.which("ninja", path=_ninja_bin_dir())
+    if ninja is None:
+        print("aot: ninja not found (pip install ninja)", file=sys.stderr)
+        return 1
+    rc = subprocess.call([ninja, "-C", str(out), "-j", str(args.jobs)])
+    if rc == 0:
+        # Binaries of variants no longer listed (changed sources, other Triton) are removed.
+        subprocess.call([ninja, "-C", str(out), "-t", "cleandead"], stdout=subprocess.DEVNULL)
+    if rc == 0 and args.install:
+        from flexplan.aot.bundle import install_bundle
+
+        print(f"aot: installed into {install_bundle(out)}")
+    return rc
+
+
+def _ninja_bin_dir() -> str:
+    try:
+        import ninja
+
+        return os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    except ImportError:
+        return os.environ.get("PATH", "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""One ninja edge: compile one variant spec for its target; write binary, metadata and entry.
+
+    python -m aot.compile_one SPEC.json ENTRY.json --triton-version V --source-hash H
+
+The version and source hash sit on the command line so that ninja rebuilds the edge when either
+changes. Kept light: the kernel module is imported without flexplan's package __init__ (which
+pulls in torch), because ninja starts one such process per artifact.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+from aot import light_flexplan
+
+os.environ.pop("TRITON_INTERPRET", None)  # the build compiles; it never interprets
+# Triton 3.9 warns once per process about its FP-fusion default; here that is once per edge.
+warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+
+
+def _import_kernel(spec: dict):
+    light_flexplan()
+    return getattr(importlib.import_module(spec["module"]), spec["attr"])
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def compile_spec(spec: dict, entry_path: Path) -> dict:
+    import triton
+    from triton.compiler import ASTSource
+
+    from flexplan.aot.keys import BINARY_EXT, TARGETS, gpu_target
+
+    fn = _import_kernel(spec)
+    if fn.cache_key != spec["source_hash"]:
+        raise SystemExit(f"{spec['kernel']}: source changed since build.ninja was written; rerun `python -m aot`")
+    if triton.__version__ != spec["triton_version"]:
+        raise SystemExit(f"spec is for Triton {spec['triton_version']}, this is {triton.__version__}; rerun `python -m aot`")
+    constants = {tuple(path): value for path, value in spec["constants"]}
+    attrs = {tuple(path): value for path, value in spec["compile_attrs"]}
+    src = ASTSource(fn, spec["signature"], constants, attrs)
+    compiled = triton.compile(src, target=gpu_target(spec["target"]), options=spec["launch_options"])
+
+    ext = BINARY_EXT[TARGETS[spec["target"]][0]]
+    out_dir = entry_path.parent
+    binary = out_dir / f"{spec['key']}.{ext}"
+    metadata = out_dir / f"{spec['key']}.json"
+    binary.write_bytes(compiled.kernel)
+    meta_src = next(p for name, p in compiled.metadata_group.items() if name.endswith(".json"))
+    shutil.copyfile(meta_src, metadata)
+    bundle_root = entry_path.parent.parent.parent  # <root>/<target>/<kernel>/<key>.entry.json
+    entry = {
+        "key": spec["key"], "kernel": spec["kernel"], "target": spec["target"],
+        "triton_version": spec["triton_version"], "source_hash": spec["source_hash"],
+        "signature": spec["signature"], "constants": spec["constants"], "attrs": spec["attrs"],
+        "launch_options": spec["launch_options"],
+        "file": str(binary.relative_to(bundle_root)), "sha256": _sha256(binary),
+        "metadata": str(metadata.relative_to(bundle_root)), "metadata_sha256": _sha256(metadata),
+    }
+    tmp = entry_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(entry, sort_keys=True, indent=1))
+    tmp.replace(entry_path)  # the entry appears last: ninja sees a finished artifact or none
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m aot.compile_one")
+    parser.add_argument("spec")
+    parser.add_argument("entry")
+    parser.add_argument("--triton-version", required=True)
+    parser.add_argument("--source-hash", required=True)
+    args = parser.parse_args(argv)
+    compile_spec(json.loads(Path(args.spec).read_text()), Path(args.entry))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Serve Triton's JIT from AOT bundles: when a flexplan kernel is about to be compiled, look for a
+prebuilt binary of exactly that specialization and hand it to the JIT's kernel cache instead.
+
+Triton calls `knobs.runtime.jit_cache_hook` right before compiling, with the signature,
+constexprs, attrs and options its own specialization rules produced (Triton 3.6 and 3.9 alike).
+The hook turns those into a variant key (flexplan.aot.keys); if an installed bundle has that key
+for this GPU target and Triton version, it builds Triton's CompiledKernel from the stored
+metadata + binary (no compilation), stores it in the JIT's cache and returns True (Triton then
+skips the compile; flexplan.launcher launches again, now from the cache). Otherwise the JIT
+compiles as usual, after one log line per kernel saying why.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import Counter
+from pathlib import Path
+
+from .bundle import Bundle, bundle_dirs, read_bundle
+from .keys import BINARY_EXT, canonical_spec, kernel_name, target_name, triton_version, variant_key
+
+log = logging.getLogger("flexplan.aot")
+
+KERNEL_PREFIX = "flexplan.kernels_src."
+
+_lock = threading.Lock()
+_installed = False
+_previous_hook = None
+_index: dict[str, tuple[Bundle, dict]] | None = None  # variant key -> (bundle, entry)
+_sources: dict[str, set[str]] = {}                   # kernel -> source hashes in the bundles
+_refused: list[str] = []
+_logged: set[str] = set()
+stats = Counter()  # "aot" (binaries loaded), "jit" (compiles left to the JIT)
+
+
+def install() -> None:
+    """Register the hook (idempotent; keeps and calls any hook set before)."""
+    global _installed, _previous_hook
+    if _installed:
+        return
+    from triton import knobs
+
+    with _lock:
+        if not _installed:
+            _previous_hook = knobs.runtime.jit_cache_hook
+            knobs.runtime.jit_cache_hook = _jit_cache_hook
+            _installed = True
+
+
+def reset() -> None:
+    """Forget loaded bundles and logged messages (tests; after installing a new bundle)."""
+    global _index
+    with _lock:
+        _index = None
+        _sources.clear()
+        _refused.clear()
+        _logged.clear()
+        stats.clear()
+
+
+def load_index() -> dict[str, tuple[Bundle, dict]]:
+    """Variant key -> (bundle, entry) over every usable bundle; refused bundles are logged once."""
+    global _index
+    with _lock:
+        if _index is None:
+            index = {}
+            for root in bundle_dirs():
+                bundle = read_bundle(root)
+                if bundle.problem:
+                    _refused.append(bundle.problem)
+                    log.warning("flexplan.aot: %s", bundle.problem)
+                    continue
+                for entry in bundle.entries:
+                    index.setdefault(entry["key"], (bundle, entry))
+                    _sources.setdefault(entry["kernel"], set()).add(entry["source_hash"])
+            _index = index
+        return _index
+
+
+def refused_bundles() -> list[str]:
+    load_index()
+    return list(_refused)
+
+
+def _log_once(topic: str, message: str, *args) -> None:
+    if topic not in _logged:
+        _logged.add(topic)
+        log.warning("flexplan.aot: " + message, *args)
+
+
+def lookup(fn, target, compile_args: dict):
+    """(bundle, entry) for this compile request of JITFunction fn on target, or (None, reason)."""
+    name, tname = kernel_name(fn), target_name(target)
+    options = json.loads(compile_args["specialization_data"])["options"]
+    spec = canonical_spec(compile_args["signature"], compile_args["constants"], compile_args["configs"][0])
+    key = variant_key(tname, name, fn.cache_key, spec, options)
+    index = load_index()
+    if key in index:
+        return index[key]
+    if name not in _sources:
+        reason = "no installed bundle has this kernel"
+    elif fn.cache_key not in _sources[name]:
+        reason = "the bundles were built from another version of its source"
+    else:
+        reason = "this specialization / target was not built"
+    return None, f"{reason} ({tname}, Triton {triton_version()})"
+
+
+def load_compiled(fn, compile_args: dict, bundle: Bundle, entry: dict):
+    """Triton's CompiledKernel from a bundle entry: no compilation, just the stored files."""
+    from triton.compiler import ASTSource, CompiledKernel
+
+    metadata_path = bundle.root / entry["metadata"]
+    binary_path = bundle.root / entry["file"]
+    metadata = json.loads(metadata_path.read_text())
+    ext = BINARY_EXT[metadata["target"]["backend"]]
+    src = ASTSource(fn, compile_args["signature"], compile_args["constants"], compile_args["configs"][0])
+    group = {f"{metadata['name']}.json": str(metadata_path), f"{metadata['name']}.{ext}": str(binary_path)}
+    return CompiledKernel(src, group, metadata["hash"])
+
+
+def _jit_cache_hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+    if _previous_hook is not None:
+        handled = _previous_hook(key=key, repr=repr, fn=fn, compile=compile,
+                                 is_manual_warmup=is_manual_warmup, already_compiled=already_compiled)
+        if handled:
+            return handled
+    jit_fn = fn.jit_function
+    name = kernel_name(jit_fn)
+    if not name.startswith(KERNEL_PREFIX):
+        return None
+    try:
+        kernel_cache, _, target, _, _ = jit_fn.device_caches[compile["device"]]
+        bundle, entry = lookup(jit_fn, target, compile)
+        if bundle is None:
+            reason = entry
+        else:
+            reason = bundle.entry_files_ok(entry)
+            if reason is None:
+                kernel_cache[key] = load_compiled(jit_fn, compile, bundle, entry)
+                stats["aot"] += 1
+                return True
+            _log_once(reason, "%s; skipping it", reason)
+    except Exception as exc:  # a broken bundle must never break a launch: JIT instead
+        reason = f"AOT lookup failed ({exc.__class__.__name__}: {exc})"
+    stats["jit"] += 1
+    _log_once(name, "%s: %s: compiling it with Triton's JIT", name.rsplit(".", 1)[-1], reason)
+    return None
+
+
+def bundle_summary() -> list[tuple[Path, str | None, int]]:
+    """(bundle dir, Triton version, entries) of every bundle found, for the doctor."""
+    return [(b.root, b.triton_version, len(b.entries)) for b in map(read_bundle, bundle_dirs())]

@@ -1,0 +1,190 @@
+"""The runtime-dispatchable kernel variants: kernel x dtype x config x specialization, in one place.
+
+A Variant is one example call (argument kinds + constexprs + launch options) of one kernel; the
+AOT build turns it into Triton's compile inputs with the JIT's own binder, so each variant is
+exactly the specialization the JIT would compile for calls like it.
+
+Configs: `config_sources()` — the heuristic config of every representative problem
+(REP_ROWS x REP_CHANNEL_PAIRS x dtype x part, with the algorithm "auto" picks), the configs of
+the tuner's shipped tables (flexplan.tuning.aot.shipped_configs), and any source registered with
+`add_config_source`. Arguments are given by parameter name and mirror the launches in
+flexplan/ops/sparse_conv.py and flexplan/planner/hashmap.py; tests/test_aot.py records the
+real ops' launches and checks the registry reproduces them.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+from ..kernel_configs import (DTYPES, GATHER_GEMM, PLAN_BLOCK_SIZES, WGRAD, KernelConfig, Problem,
+                              choose_algo, heuristic_config)
+
+# Representative problem sizes: rows on both sides of powers of two (so both the "divisible by
+# 16" and the plain integer specialization of the row count are built) and the channel widths of
+# sparse U-Nets (channel counts not divisible by 16 run JIT-compiled).
+REP_ROWS = tuple(r for k in range(8, 21, 3) for r in (1 << k, (1 << k) + 3))
+REP_CHANNELS = (16, 32, 64, 128, 256)
+REP_CHANNEL_PAIRS = tuple((c, c) for c in REP_CHANNELS) + tuple(
+    pair for a, b in zip(REP_CHANNELS, REP_CHANNELS[1:]) for pair in ((a, b), (b, a)))
+REP_VOLUMES = (27,)
+# Planner: grid sizes (divisible by 16 or not, per axis) and submanifold kernel sizes.
+REP_GRID_SIZES = (128, 100)
+REP_KERNEL_SIZES = (3, 5)
+
+KERNEL_PACKAGE = "flexplan.kernels_src"
+HASH_INSERT, HASH_SUBM_NMAP = "hash_insert", "submanifold_neighbor_map"
+# Kernels: short name -> "module:attribute" in KERNEL_PACKAGE.
+KERNELS = {
+    GATHER_GEMM: "conv_gather_gemm:conv_gather_gemm_kernel",
+    WGRAD: "conv_wgrad:conv_wgrad_kernel",
+    HASH_INSERT: "hashmap:hash_insert_kernel",
+    HASH_SUBM_NMAP: "hashmap:submanifold_neighbor_map_kernel",
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One example call. args: ("tensor", torch dtype name) or ("int", value) per positional
+    argument; constexprs: sorted (name, value) pairs incl. num_warps / num_stages."""
+
+    kernel: str
+    args: tuple
+    constexprs: tuple
+
+    @property
+    def module(self) -> str:
+        return f"{KERNEL_PACKAGE}.{KERNELS[self.kernel].split(':')[0]}"
+
+    @property
+    def attr(self) -> str:
+        return KERNELS[self.kernel].split(":")[1]
+
+
+def make_variant(kernel: str, values: dict, constexprs: dict) -> Variant:
+    """A Variant from {parameter name: ("tensor", dtype) | int} in any order; a parameter the
+    registry does not know (the kernel changed) is a clear error, not a silent mismatch."""
+    probe = Variant(kernel, (), ())
+    fn = getattr(importlib.import_module(probe.module), probe.attr)
+    args = []
+    for name in fn.arg_names:
+        if name in constexprs:
+            continue
+        if name not in values:
+            raise KeyError(f"flexplan/aot/variants.py does not describe parameter {name!r} of "
+                           f"{probe.attr}; update its argument list")
+        value = values[name]
+        args.append(value if isinstance(value, tuple) else ("int", value))
+    return Variant(kernel, tuple(args), tuple(sorted(constexprs.items())))
+
+
+ConfigSource = Callable[[], Iterable[tuple[Problem, KernelConfig]]]
+_extra_sources: list[ConfigSource] = []
+
+
+def add_config_source(source: ConfigSource) -> None:
+    """Register more (problem, config) pairs to build."""
+    if source not in _extra_sources:
+        _extra_sources.append(source)
+
+
+def representative_problems() -> Iterator[Problem]:
+    for dtype, part, n, (ci, co), v in itertools.product(
+            DTYPES, ("fwd", "dgrad", "wgrad"), REP_ROWS, REP_CHANNEL_PAIRS, REP_VOLUMES):
+        rows = n * v if part == "wgrad" else n  # wgrad's rows are pairs
+        yield Problem(rows, ci, co, v, dtype, choose_algo(part, rows, ci, co, v, dtype), part)
+
+
+def heuristic_source() -> Iterator[tuple[Problem, KernelConfig]]:
+    for problem in representative_problems():
+        yield problem, heuristic_config(problem.family, problem)
+
+
+def shipped_table_source() -> Iterator[tuple[Problem, KernelConfig]]:
+    """Configs named by the tuner's shipped tables, for every dtype and the algorithms that can
+    use them (split-K configs only for the split-K algorithms)."""
+    from ..tuning.aot import shipped_configs
+
+    for family, configs in shipped_configs().items():
+        parts = ("wgrad",) if family == WGRAD else ("fwd", "dgrad")
+        for cfg, dtype, part, n in itertools.product(sorted(configs, key=repr), DTYPES, parts, REP_ROWS[:2]):
+            for algo in (("masked_splitk", "implicit_splitk") if cfg.splitk > 1 else ("masked", "implicit")):
+                yield Problem(n, 64, 64, 27, dtype, algo, part), cfg
+
+
+def config_sources() -> list[ConfigSource]:
+    return [heuristic_source, shipped_table_source, *_extra_sources]
+
+
+def _torch_dtype(dtype: str) -> str:
+    return "float32" if dtype == "tf32" else dtype
+
+
+def _acc_dtype(dtype: str) -> str:
+    return "float64" if dtype == "float64" else "float32"
+
+
+def gather_gemm_variants(problem: Problem, cfg: KernelConfig) -> Iterator[Variant]:
+    """The launches of ops.sparse_conv._gather_gemm for one problem and config."""
+    masked = problem.algo.startswith("masked")
+    if masked and cfg.block_m not in PLAN_BLOCK_SIZES:
+        return
+    feat, i32 = ("tensor", _torch_dtype(problem.dtype)), ("tensor", "int32")
+    out = ("tensor", _acc_dtype(problem.dtype)) if cfg.splitk > 1 else feat
+    m, k, n = problem.gemm_mkn
+    values = dict(src_ptr=feat, weight_ptr=feat, bias_ptr=feat, map_ptr=i32, order_ptr=i32,
+                  valid_kernel_ptr=i32, valid_kernel_seg_ptr=i32, out_ptr=out,
+                  M=m, K=k, N=n, V=problem.v)
+    reverses = (True, False) if problem.part == "dgrad" else (False,)
+    biases = (True, False) if problem.part == "fwd" and cfg.splitk == 1 else (False,)
+    for reverse, bias in itertools.product(reverses, biases):
+        yield make_variant(GATHER_GEMM, values, dict(
+            cfg.launch_kwargs(), MASKED=masked, REVERSE_V=reverse, HAS_BIAS=bias,
+            ALLOW_TF32=problem.dtype == "tf32"))
+
+
+def wgrad_variants(problem: Problem, cfg: KernelConfig) -> Iterator[Variant]:
+    """The launch of ops.sparse_conv._wgrad for one problem and config."""
+    feat, i32 = ("tensor", _torch_dtype(problem.dtype)), ("tensor", "int32")
+    out = ("tensor", _acc_dtype(problem.dtype)) if cfg.splitk > 1 else feat
+    values = dict(grad_out_ptr=feat, src_ptr=feat, pair_out_ptr=i32, pair_in_ptr=i32,
+                  pair_seg_ptr=i32, out_ptr=out, CO=problem.co, CI=problem.ci, V=problem.v)
+    yield make_variant(WGRAD, values, dict(cfg.launch_kwargs(), ALLOW_TF32=problem.dtype == "tf32"))
+
+
+def planner_variants() -> Iterator[Variant]:
+    """The launches of flexplan.planner.hashmap: table build and submanifold neighbour map."""
+    from ..planner.hashmap import _INSERT_BLOCK, _LOOKUP_BLOCK
+
+    i32 = ("tensor", "int32")
+    for key, n in itertools.product(("int32", "int64"), REP_ROWS[:2]):
+        keys = ("tensor", key)
+        yield make_variant(HASH_INSERT, dict(table_keys=keys, table_vals=i32, keys=keys, n=n,
+                                             slot_mask=(1 << 12) - 1, first_dup=i32),
+                           dict(KEY_64=key == "int64", BLOCK=_INSERT_BLOCK))
+        for size, k in itertools.product(itertools.product(REP_GRID_SIZES, repeat=3), REP_KERNEL_SIZES):
+            yield make_variant(HASH_SUBM_NMAP, dict(
+                table_keys=keys, table_vals=i32, coords=i32, nmap=i32, n=n, slot_mask=(1 << 12) - 1,
+                size_x=size[0], size_y=size[1], size_z=size[2]), dict(
+                KX=k, KY=k, KZ=k, DX=1, DY=1, DZ=1, KEY_64=key == "int64", BLOCK=_LOOKUP_BLOCK))
+
+
+_VARIANTS_OF = {GATHER_GEMM: gather_gemm_variants, WGRAD: wgrad_variants}
+
+
+def enumerate_variants(kernel_filter: str | None = None) -> list[Variant]:
+    """Every variant to build, deduplicated, in a stable order; kernel_filter keeps the kernels
+    whose short name contains it."""
+    seen: dict[Variant, None] = {}
+    for variant in planner_variants():
+        if not kernel_filter or kernel_filter in variant.kernel:
+            seen.setdefault(variant, None)
+    for source in config_sources():
+        for problem, cfg in source():
+            family = problem.family
+            if kernel_filter and kernel_filter not in family:
+                continue
+            for variant in _VARIANTS_OF[family](problem, cfg):
+                seen.setdefault(variant, None)
+    return list(seen)

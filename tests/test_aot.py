@@ -1,0 +1,248 @@
+"""Ahead-of-time kernels on the CPU: a small real build (sm_90 + gfx942), ninja incrementality,
+bundle validation, and the runtime's dispatch decisions driven through Triton's own JIT path.
+
+The build and runtime checks run in subprocesses without TRITON_INTERPRET (this suite runs under
+the interpreter, where kernels are not compiled at all)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+EM_CUDA, EM_AMDGPU = 190, 224  # ELF e_machine of a cubin / an hsaco
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    env.update(extra)
+    return env
+
+
+def _build(out: Path) -> str:
+    cmd = [sys.executable, "-m", "aot", "--targets", "sm_90,gfx942", "--sample", "1", "--out", str(out), "-j", "2"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("aot") / "bundle"
+    first = _build(out)
+    return out, first
+
+
+def _manifest(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+def test_build_writes_valid_binaries_and_manifest(bundle):
+    out, log = bundle
+    manifest = _manifest(out)
+    import triton
+
+    assert manifest["triton_version"] == triton.__version__
+    entries = manifest["entries"]
+    kinds = {(e["target"], e["kernel"].rsplit(".", 1)[-1]) for e in entries}
+    assert {t for t, _ in kinds} == {"sm_90", "gfx942"}
+    assert {k for _, k in kinds} >= {"conv_gather_gemm_kernel", "conv_wgrad_kernel"}
+    for e in entries:
+        assert {"kernel", "signature", "constants", "target", "triton_version", "source_hash",
+                "file", "sha256"} <= set(e)
+        blob = (out / e["file"]).read_bytes()
+        assert blob[:4] == b"\x7fELF", e["file"]
+        machine = int.from_bytes(blob[18:20], "little")
+        assert machine == (EM_CUDA if e["target"] == "sm_90" else EM_AMDGPU), (e["file"], machine)
+        assert e["file"].endswith(".cubin" if e["target"] == "sm_90" else ".hsaco")
+        assert hashlib.sha256(blob).hexdigest() == e["sha256"]
+        meta = json.loads((out / e["metadata"]).read_text())
+        assert meta["name"] == e["kernel"].rsplit(".", 1)[-1]
+    assert f"[{len(entries) + 1}/{len(entries) + 1}]" in log  # ninja's progress line
+
+
+def test_second_build_is_noop(bundle):
+    out, _ = bundle
+    before = (out / "manifest.json").stat().st_mtime_ns
+    assert "ninja: no work to do." in _build(out)
+    assert (out / "manifest.json").stat().st_mtime_ns == before
+
+
+def test_touching_one_kernel_source_rebuilds_only_its_binaries(bundle):
+    out, _ = bundle
+    source = REPO / "kernels_src" / "conv_wgrad.py"
+    stamp = time.time() + 5  # newer than every artifact; the content is untouched
+    os.utime(source, (stamp, stamp))
+    log = _build(out)
+    rebuilt = [line.split()[3] for line in log.splitlines() if " AOT sm_90 " in line or " AOT gfx942 " in line]
+    assert sorted(rebuilt) == ["conv_wgrad", "conv_wgrad"], log
+    assert "AOT manifest" in log
+
+
+# ---------------------------------------------------------------- runtime (Triton's JIT path)
+
+_PROBE = r'''
+import json, logging, os, sys
+import triton
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+from flexplan.aot import runtime
+from flexplan.aot.keys import gpu_target
+from flexplan.aot.specialize import _example
+from flexplan.aot.variants import enumerate_variants
+import importlib
+
+records = []
+logging.basicConfig(level=logging.WARNING, format="LOG %(message)s", stream=sys.stdout)
+
+def request(kernel, change=None):
+    """Drive Triton's own JIT compile path (_do_compile) for the first registry variant of
+    kernel on a fake sm_90 device; returns "aot" if the hook served it, "jit" if Triton compiled."""
+    variant = next(v for v in enumerate_variants() if v.kernel == kernel)
+    fn = getattr(importlib.import_module(variant.module), variant.attr)
+    target = gpu_target("sm_90")
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    fn.device_caches["probe"] = ({}, {}, target, backend, binder)
+    fn.ASTSource, fn.CompiledKernel = triton.compiler.ASTSource, triton.compiler.CompiledKernel
+    fn.compile = lambda *a, **k: "JIT-COMPILED"
+    kwargs = dict(variant.constexprs)
+    kwargs.update(change or {})
+    bound, spec, opts = binder(*map(_example, variant.args), **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, dict(kwargs), bound, spec, opts)
+    got = fn._do_compile("probe-key", signature, "probe", constexprs, options, attrs, False)
+    cached = fn.device_caches["probe"][0].get("probe-key")
+    if got is None and cached is not None and cached != "JIT-COMPILED":
+        return {"served": "aot", "binary_bytes": len(cached.kernel), "name": cached.name}
+    return {"served": "jit" if got == "JIT-COMPILED" else repr(got)}
+
+runtime.install()
+out = {}
+for scenario in sys.argv[1:]:
+    name, path = scenario.split("=")
+    os.environ["FLEXPLAN_AOT_PATH"] = path
+    runtime.reset()
+    out[name] = {"wgrad": request("conv_wgrad"), "gemm": request("conv_gather_gemm"),
+                 "other_warps": request("conv_wgrad", {"num_warps": 2}),
+                 "refused": runtime.refused_bundles(), "stats": dict(runtime.stats)}
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def probe(bundle, tmp_path_factory):
+    out, _ = bundle
+    work = tmp_path_factory.mktemp("aot-variants")
+    damaged = work / "damaged"
+    shutil.copytree(out, damaged, ignore=shutil.ignore_patterns("specs", ".triton-cache"))
+    manifest = _manifest(damaged)
+    wgrad = next(e for e in manifest["entries"]
+                 if e["target"] == "sm_90" and e["kernel"].endswith("conv_wgrad_kernel"))
+    blob = bytearray((damaged / wgrad["file"]).read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (damaged / wgrad["file"]).write_bytes(bytes(blob))
+    other = work / "other"
+    shutil.copytree(out, other, ignore=shutil.ignore_patterns("specs", ".triton-cache"))
+    manifest["triton_version"] = "0.0.1"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    scenarios = [f"good={out}", f"damaged={damaged}", f"other={other}", f"none={work / 'missing'}"]
+    proc = subprocess.run([sys.executable, "-c", _PROBE, *scenarios], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=_env(FLEXPLAN_CACHE_DIR=str(work / "cache")))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    logs = [line for line in proc.stdout.splitlines() if line.startswith("LOG ")]
+    return json.loads(result[len("RESULT "):]), logs
+
+
+def test_runtime_serves_the_prebuilt_binary_without_compiling(probe):
+    result, _ = probe
+    good = result["good"]
+    assert good["wgrad"]["served"] == "aot" and good["wgrad"]["name"] == "conv_wgrad_kernel"
+    assert good["gemm"]["served"] == "aot" and good["gemm"]["binary_bytes"] > 0
+    assert good["refused"] == []
+
+
+def test_runtime_falls_back_to_jit_with_one_log_line(probe):
+    result, logs = probe
+    assert result["good"]["other_warps"]["served"] == "jit"  # variant not built
+    assert result["none"]["wgrad"]["served"] == "jit"  # no bundle at all
+    jit_lines = [line for line in logs if "conv_wgrad_kernel: " in line and "JIT" in line]
+    # once per kernel per scenario (the probe resets between scenarios): good, damaged, other, none
+    assert len(jit_lines) == 4, logs
+
+
+def test_damaged_binary_is_skipped(probe):
+    result, logs = probe
+    assert result["damaged"]["wgrad"]["served"] == "jit"
+    assert result["damaged"]["gemm"]["served"] == "aot"  # the rest of the bundle still serves
+    assert any("damaged (sha256 mismatch)" in line for line in logs), logs
+
+
+def test_manifest_of_another_triton_is_refused(probe):
+    import triton
+
+    result, logs = probe
+    other = result["other"]
+    assert other["wgrad"]["served"] == "jit" and other["gemm"]["served"] == "jit"
+    (message,) = other["refused"]
+    assert "built with Triton 0.0.1" in message and f"this is Triton {triton.__version__}" in message
+    assert any("built with Triton 0.0.1" in line for line in logs)
+
+
+# ---------------------------------------------------------------- registry vs the real ops
+
+def test_registry_reproduces_the_ops_launches(monkeypatch):
+    """Record every launch of a small SubMConv3d forward + backward (planner included) and check
+    the registry lists a variant with the same argument kinds, dtypes and constexpr names."""
+    from flexplan import SparseTensor, launcher
+    from flexplan.aot.variants import KERNELS, enumerate_variants
+    from flexplan.nn.submconv import SubMConv3d
+    from flexplan.workloads import random_coords
+
+    def shape(kernel_attr, args, constexprs):
+        kinds = tuple(str(a.dtype).removeprefix("torch.") if isinstance(a, torch.Tensor) else "int"
+                      for a in args)
+        return kernel_attr, kinds, frozenset(constexprs)
+
+    known = {(v.attr, tuple(value if kind == "tensor" else "int" for kind, value in v.args),
+              frozenset(dict(v.constexprs))) for v in enumerate_variants()}
+    seen = []
+    real_launch = launcher.launch
+
+    def recording_launch(kernel, grid, *args, **constexprs):
+        seen.append(shape(kernel.fn.__name__, args, constexprs))
+        return real_launch(kernel, grid, *args, **constexprs)
+
+    import importlib
+
+    from flexplan import ConvGeometry, build_plan
+
+    ops = importlib.import_module("flexplan.ops.sparse_conv")
+    hashmap = importlib.import_module("flexplan.planner.hashmap")
+
+    monkeypatch.setattr(ops, "launch", recording_launch)
+    monkeypatch.setattr(hashmap, "launch", recording_launch)
+    gen = torch.Generator().manual_seed(0)
+    coords = random_coords(40, (8, 8, 8), batch_size=1, generator=gen)
+    build_plan(coords, (8, 8, 8), 1, ConvGeometry.submanifold_conv(3, 1), backend="triton")
+    for dtype in (torch.float32, torch.float16):
+        x = SparseTensor(torch.randn(len(coords), 16, generator=gen).to(dtype).requires_grad_(),
+                         coords, (8, 8, 8), 1)
+        conv = SubMConv3d(16, 16, dtype=dtype)
+        conv(x).feats.float().square().sum().backward()
+    kernels = {k.split(":")[1] for k in KERNELS.values()}
+    assert {s[0] for s in seen} >= {"conv_gather_gemm_kernel", "conv_wgrad_kernel",
+                                    "hash_insert_kernel", "submanifold_neighbor_map_kernel"}
+    for call in seen:
+        assert call[0] in kernels, f"{call[0]} is not in flexplan/aot/variants.py"
+        # ints compare by kind only: the registry's example values differ from this tiny problem
+        assert call in known, call

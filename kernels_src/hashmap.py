@@ -1,7 +1,8 @@
 """GPU hash table of voxel keys: open addressing, linear probing, lock-free inserts (CAS).
 
-The table is two arrays of `capacity` slots (a power of two, so `& (capacity - 1)` is the
-modulo): keys (int32 or int64, EMPTY_KEY = -1 when free) and values (int32 row index).
+`capacity` slots (a power of two, so `& (capacity - 1)` is the modulo), -1 when free. int64
+keys: a key array and an int32 value (row index) array; int32 keys: one int64 array holding
+key and value together (see _pack).
 Probing loops run per program while any lane of the vector still probes.
 """
 import triton
@@ -9,46 +10,82 @@ import triton.language as tl
 
 EMPTY_KEY = tl.constexpr(-1)
 MISSING = tl.constexpr(-1)
+# Slots come in runs of 2^RUN_BITS keys that differ only in their low bits (z-neighbours):
+# the lookups of one row's offsets then share memory sectors.
+RUN_BITS = tl.constexpr(2)
+RUN_MASK = tl.constexpr(3)  # 2^RUN_BITS - 1
 
 
 @triton.jit
 def _hash_slot(key, slot_mask, KEY_64: tl.constexpr):
-    """Murmur3 finalizer (fmix32 / fmix64) of the key, reduced to a slot."""
+    """Murmur3 finalizer (fmix32 / fmix64) of key >> RUN_BITS, then the low bits: a slot."""
     if KEY_64:
         h = key.to(tl.uint64, bitcast=True)
+        low = h & RUN_MASK
+        h = h >> RUN_BITS
         h ^= h >> 33
         h *= 0xFF51AFD7ED558CCD
         h ^= h >> 33
         h *= 0xC4CEB9FE1A85EC53
         h ^= h >> 33
-        return (h & slot_mask.to(tl.uint64)).to(tl.int64)
+        return (((h << RUN_BITS) | low) & slot_mask.to(tl.uint64)).to(tl.int64)
     else:
         h = key.to(tl.uint32, bitcast=True)
+        low = h & RUN_MASK
+        h = h >> RUN_BITS
         h ^= h >> 16
         h *= 0x85EBCA6B
         h ^= h >> 13
         h *= 0xC2B2AE35
         h ^= h >> 16
-        return (h & slot_mask.to(tl.uint32)).to(tl.int64)
+        return (((h << RUN_BITS) | low) & slot_mask.to(tl.uint32)).to(tl.int64)
 
 
 @triton.jit
-def hash_insert_kernel(table_keys, table_vals, keys, n, slot_mask, first_dup,
-                       KEY_64: tl.constexpr, BLOCK: tl.constexpr):
-    """Insert keys[i] -> i. A lane whose key is already in the table is a duplicate row:
-    first_dup[0] gets the smallest such row (atomic min), and the stored value stays."""
+def _pack(key, value):
+    """32-bit keys share one int64 slot with their value (value high, key low): one memory
+    access per probe; an all-ones slot (-1) is empty and its key half reads EMPTY_KEY."""
+    return (value.to(tl.int64) << 32) | (key.to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _voxel_key(b, x, y, z, size_x, size_y, size_z, KEY_64: tl.constexpr):
+    """flexplan/planner/keys.py pack_coords: ((b * X + x) * Y + y) * Z + z."""
+    if KEY_64:
+        return ((b.to(tl.int64) * size_x + x) * size_y + y) * size_z + z
+    else:
+        return ((b * size_x + x) * size_y + y) * size_z + z
+
+
+@triton.jit
+def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, first_dup,
+                       size_x, size_y, size_z, KEY_64: tl.constexpr, BLOCK: tl.constexpr):
+    """Insert key(coords[i]) -> i. A lane whose key is already in the table is a duplicate
+    row: first_dup[0] gets the smallest such row (atomic min), and the stored value stays.
+    int64 keys: keys in table_keys, values in table_vals; int32 keys: packed in table_keys."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     active = rows < n
-    key = tl.load(keys + rows, mask=active, other=0)
+    base = coords + rows.to(tl.int64) * 4
+    key = _voxel_key(tl.load(base, mask=active, other=0), tl.load(base + 1, mask=active, other=0),
+                     tl.load(base + 2, mask=active, other=0), tl.load(base + 3, mask=active, other=0),
+                     size_x, size_y, size_z, KEY_64)
     slot = _hash_slot(key, slot_mask, KEY_64)
+    if KEY_64:
+        entry = key
+    else:
+        entry = _pack(key, rows)
     while tl.max(active.to(tl.int32), axis=0) > 0:
-        # atomic_cas has no mask: idle lanes swap their key for itself, which changes nothing.
-        expected = tl.where(active, EMPTY_KEY, key).to(key.dtype)
-        prev = tl.atomic_cas(table_keys + slot, expected, key)
-        won = active & (prev == EMPTY_KEY)
-        tl.store(table_vals + slot, rows, mask=won)
-        tl.atomic_min(first_dup + 0 * rows, rows, mask=active & (prev == key))
-        active = active & (prev != EMPTY_KEY) & (prev != key)
+        # atomic_cas has no mask: idle lanes swap their entry for itself, which changes nothing.
+        expected = tl.where(active, -1, entry).to(entry.dtype)
+        prev = tl.atomic_cas(table_keys + slot, expected, entry)
+        won = active & (prev == -1)
+        if KEY_64:
+            tl.store(table_vals + slot, rows, mask=won)
+        else:
+            prev = prev.to(tl.int32)  # its key half
+        dup = active & ~won & (prev == key)
+        tl.atomic_min(first_dup + 0 * rows, rows, mask=dup)
+        active = active & ~won & ~dup
         slot = tl.where(active, (slot + 1) & slot_mask, slot)
 
 
@@ -58,10 +95,16 @@ def _lookup(table_keys, table_vals, key, active, slot_mask, KEY_64: tl.constexpr
     slot = _hash_slot(key, slot_mask, KEY_64)
     found = tl.full(key.shape, MISSING, tl.int32)
     while tl.max(active.to(tl.int32), axis=0) > 0:
-        stored = tl.load(table_keys + slot, mask=active, other=EMPTY_KEY)
-        hit = active & (stored == key)
-        found = tl.where(hit, tl.load(table_vals + slot, mask=hit, other=MISSING), found)
-        active = active & (stored != key) & (stored != EMPTY_KEY)
+        stored = tl.load(table_keys + slot, mask=active, other=-1)
+        if KEY_64:
+            hit = active & (stored == key)
+            found = tl.where(hit, tl.load(table_vals + slot, mask=hit, other=MISSING), found)
+            stored_key = stored
+        else:
+            stored_key = stored.to(tl.int32)
+            hit = active & (stored_key == key)
+            found = tl.where(hit, (stored >> 32).to(tl.int32), found)
+        active = active & ~hit & (stored_key != EMPTY_KEY)
         slot = (slot + 1) & slot_mask
     return found
 
@@ -90,11 +133,7 @@ def submanifold_neighbor_map_kernel(
     y = tl.load(base + 2, mask=live, other=0) + (v // KZ % KY - KY // 2) * DY
     z = tl.load(base + 3, mask=live, other=0) + (v % KZ - KZ // 2) * DZ
     inside = live & (x >= 0) & (x < size_x) & (y >= 0) & (y < size_y) & (z >= 0) & (z < size_z)
-    if KEY_64:
-        key = ((b.to(tl.int64) * size_x + x) * size_y + y) * size_z + z
-    else:
-        key = ((b * size_x + x) * size_y + y) * size_z + z
-    key = tl.where(inside, key, 0)
+    key = tl.where(inside, _voxel_key(b, x, y, z, size_x, size_y, size_z, KEY_64), 0)
     j = _lookup(table_keys, table_vals, key, inside, slot_mask, KEY_64)
     hit = j != MISSING
     tl.store(nmap + row * V + v, j, mask=hit)

@@ -62,26 +62,23 @@ def compact_rows_kernel(flags, starts, out, rows_total, V: tl.constexpr, VP: tl.
 
 
 @triton.jit
-def column_count_kernel(nmap, counts, n, V: tl.constexpr, VP: tl.constexpr, BLOCK: tl.constexpr):
-    """counts[p, v] = present entries of column v in row block p."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, VP)
-    ok = (rows < n)[:, None] & (cols < V)[None, :]
-    entry = tl.load(nmap + rows[:, None] * V + cols[None, :], mask=ok, other=MISSING)
-    count = tl.sum((entry != MISSING).to(tl.int32), axis=0)
-    tl.store(counts + tl.program_id(0) * V + cols, count, mask=cols < V)
+def column_count_kernel(nmap_t, counts, n, n_blocks, BLOCK: tl.constexpr):
+    """counts[v, p] = present entries of rows [p*BLOCK, (p+1)*BLOCK) in column v of the
+    transposed map nmap_t [V, n]. Grid (n_blocks, V)."""
+    p, v = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rows = p * BLOCK + tl.arange(0, BLOCK)
+    entry = tl.load(nmap_t + v * n + rows, mask=rows < n, other=MISSING)
+    tl.store(counts + v * n_blocks + p, tl.sum((entry != MISSING).to(tl.int32), axis=0))
 
 
 @triton.jit
-def column_pairs_kernel(nmap, starts, in_rows, out_rows, n, V: tl.constexpr, VP: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    """Pairs of each column v in ascending row order from starts[p, v] on (column-wise nonzero)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, VP)
-    ok = (rows < n)[:, None] & (cols < V)[None, :]
-    entry = tl.load(nmap + rows[:, None] * V + cols[None, :], mask=ok, other=MISSING)
+def column_pairs_kernel(nmap_t, starts, in_rows, out_rows, n, n_blocks, BLOCK: tl.constexpr):
+    """Pairs (nmap_t[v, i], i) of column v, rows ascending, from starts[v, p] on: the
+    column-wise nonzero. Grid (n_blocks, V)."""
+    p, v = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rows = p * BLOCK + tl.arange(0, BLOCK)
+    entry = tl.load(nmap_t + v * n + rows, mask=rows < n, other=MISSING)
     present = (entry != MISSING).to(tl.int32)
-    start = tl.load(starts + tl.program_id(0) * V + cols, mask=cols < V, other=0)
-    pos = start[None, :] + (tl.cumsum(present, axis=0) - present)
+    pos = tl.load(starts + v * n_blocks + p) + (tl.cumsum(present, axis=0) - present)
     tl.store(in_rows + pos, entry, mask=present != 0)
-    tl.store(out_rows + pos, rows[:, None].to(tl.int32) + 0 * present, mask=present != 0)
+    tl.store(out_rows + pos, rows, mask=present != 0)

@@ -13,7 +13,7 @@ import triton
 from ..geometry import ConvGeometry
 from ..launcher import launch
 from ..plan import MISSING
-from .keys import EMPTY_KEY, key_dtype, pack_coords
+from .keys import EMPTY_KEY, key_dtype
 
 _INSERT_BLOCK = 256
 _LOOKUP_BLOCK = 256
@@ -21,8 +21,8 @@ _LOOKUP_BLOCK = 256
 
 @dataclass(frozen=True)
 class HashTable:
-    keys: torch.Tensor       # [capacity] int32/int64, EMPTY_KEY where free
-    values: torch.Tensor     # [capacity] int32 row index
+    keys: torch.Tensor       # [capacity] int64: 64-bit keys, or 32-bit keys packed with values
+    values: torch.Tensor     # [capacity] int32 row index of 64-bit keys (empty for 32-bit ones)
     first_dup: torch.Tensor  # [1] int32: smallest row whose key was already in, else N
 
     @property
@@ -35,19 +35,22 @@ def table_capacity(n: int) -> int:
     return max(16, 1 << (2 * n - 1).bit_length())
 
 
-def build_hash_table(keys: torch.Tensor) -> HashTable:
-    """Table of keys[i] -> i (keys: int32/int64, non-negative, one device)."""
+def build_hash_table(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
+                     batch_size: int) -> HashTable:
+    """Table of key(coords[i]) -> i, keys as keys.pack_coords packs them (computed in-kernel)."""
     from ..kernels_src import hashmap as kernels
 
-    n = keys.numel()
+    n = coords.shape[0]
     capacity = table_capacity(n)
-    table = HashTable(torch.full((capacity,), EMPTY_KEY, dtype=keys.dtype, device=keys.device),
-                      torch.empty(capacity, dtype=torch.int32, device=keys.device),
-                      torch.full((1,), n, dtype=torch.int32, device=keys.device))
+    key_64 = key_dtype(spatial_shape, batch_size) == torch.int64
+    device = coords.device
+    table = HashTable(torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=device),
+                      torch.empty(capacity if key_64 else 1, dtype=torch.int32, device=device),
+                      torch.full((1,), n, dtype=torch.int32, device=device))
     if n:
         launch(kernels.hash_insert_kernel, (triton.cdiv(n, _INSERT_BLOCK),), table.keys,
-               table.values, keys.contiguous(), n, table.slot_mask, table.first_dup,
-               KEY_64=keys.dtype == torch.int64, BLOCK=_INSERT_BLOCK)
+               table.values, coords.contiguous(), n, table.slot_mask, table.first_dup,
+               *spatial_shape, KEY_64=key_64, BLOCK=_INSERT_BLOCK)
     return table
 
 
@@ -55,7 +58,7 @@ def first_duplicate_row(coords: torch.Tensor, spatial_shape: tuple[int, int, int
                         batch_size: int) -> torch.Tensor:
     """Device int32 [1]: a row whose coordinate an other row also has, or N if all are
     distinct. No sort and no host sync: the hash inserts notice the repeats."""
-    return build_hash_table(pack_coords(coords, spatial_shape, batch_size)).first_dup
+    return build_hash_table(coords, spatial_shape, batch_size).first_dup
 
 
 def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
@@ -69,7 +72,7 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     if n == 0:
         return torch.empty((0, volume), dtype=torch.int32, device=coords.device)
     coords = coords.contiguous()
-    table = build_hash_table(pack_coords(coords, spatial_shape, batch_size))
+    table = build_hash_table(coords, spatial_shape, batch_size)
     nmap = torch.full((n, volume), MISSING, dtype=torch.int32, device=coords.device)
     lanes = n * (volume // 2)
     launch(kernels.submanifold_neighbor_map_kernel, (triton.cdiv(lanes, _LOOKUP_BLOCK),),

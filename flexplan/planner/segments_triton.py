@@ -15,7 +15,7 @@ from .segments import _WORD_BITS, sort_by_rank_words
 _RANK_BLOCK = 128
 _ROWS_PER_PROGRAM = 128  # union: blocks of B rows per program = this // B
 _COMPACT_BLOCK = 64
-_PAIRS_BLOCK = 128
+_PAIRS_BLOCK = 1024
 
 
 def _kernels():
@@ -87,24 +87,25 @@ def gather_map_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...]) 
 
 
 def valid_signal_triton(neighbor_map: torch.Tensor):
-    """segments.valid_signal: per-block column counts, their prefix sums, then one scatter."""
-    neighbor_map = neighbor_map.contiguous()
+    """segments.valid_signal on the transposed map (columns contiguous): per-block column
+    counts, their prefix sums, then one coalesced scatter."""
     m, v = neighbor_map.shape
     device = neighbor_map.device
+    nmap_t = neighbor_map.t().contiguous()
     n_blocks = triton.cdiv(m, _PAIRS_BLOCK)
-    vp = triton.next_power_of_2(v)
-    counts = torch.empty((n_blocks, v), dtype=torch.int32, device=device)
+    counts = torch.zeros((v, n_blocks), dtype=torch.int32, device=device)
     if n_blocks:
-        launch(_kernels().column_count_kernel, (n_blocks,), neighbor_map, counts, m, V=v, VP=vp,
+        launch(_kernels().column_count_kernel, (n_blocks, v), nmap_t, counts, m, n_blocks,
                BLOCK=_PAIRS_BLOCK)
-    seg = torch.zeros(v + 1, dtype=torch.int32, device=device)
-    seg[1:] = counts.sum(dim=0).cumsum(0)
-    # Column v's pairs of block p start after all of columns < v and column v of blocks < p.
-    starts = counts.to(torch.int64).cumsum(0) - counts + seg[:-1].to(torch.int64)
-    total = int(seg[-1])  # the one host sync
+    # Pairs of column v, block p start after all columns < v and blocks < p of column v.
+    starts = counts.view(-1).to(torch.int64).cumsum(0)
+    total = int(starts[-1]) if starts.numel() else 0  # the one host sync
+    starts -= counts.view(-1)
+    seg = torch.full((v + 1,), total, dtype=torch.int32, device=device)
+    seg[:v] = starts.view(v, n_blocks)[:, 0] if n_blocks else 0
     in_rows = torch.empty(total, dtype=torch.int32, device=device)
     out_rows = torch.empty(total, dtype=torch.int32, device=device)
     if total:
-        launch(_kernels().column_pairs_kernel, (n_blocks,), neighbor_map, starts, in_rows,
-               out_rows, m, V=v, VP=vp, BLOCK=_PAIRS_BLOCK)
+        launch(_kernels().column_pairs_kernel, (n_blocks, v), nmap_t, starts, in_rows, out_rows,
+               m, n_blocks, BLOCK=_PAIRS_BLOCK)
     return in_rows, out_rows, seg

@@ -1,0 +1,118 @@
+"""SparseTensor and check_coords: every malformed input raises a clear SparseTensorError."""
+import pytest
+import torch
+
+from flexplan.sparse_tensor import SparseTensor, SparseTensorError, check_coords
+
+SHAPE = (5, 6, 7)
+
+
+def _coords(device="cpu"):
+    return torch.tensor([[0, 0, 0, 0], [0, 4, 5, 6], [1, 2, 3, 4], [1, 2, 3, 5]],
+                        dtype=torch.int32, device=device)
+
+
+def _feats(n=4, c=3, device="cpu"):
+    return torch.randn(n, c, generator=torch.Generator().manual_seed(n), dtype=torch.float64).to(device)
+
+
+def test_valid_tensor(device):
+    st = SparseTensor(_feats(device=device), _coords(device), SHAPE)
+    assert st.batch_size == 2 and st.num_voxels == 4 and st.num_channels == 3
+    assert st.spatial_shape == SHAPE and st.device.type == device.type
+
+
+@pytest.mark.parametrize("coords,match", [
+    (_coords().long(), "int32"),
+    (_coords().float(), "int32"),
+    (_coords()[:, :3], r"\[N, 4\]"),
+    (_coords().view(-1), r"\[N, 4\]"),
+    ([[0, 0, 0, 0]], "torch.Tensor"),
+])
+def test_bad_coords_type_or_shape(coords, match):
+    with pytest.raises(SparseTensorError, match=match):
+        check_coords(coords, SHAPE, 2)
+
+
+@pytest.mark.parametrize("row,col,value", [(2, 1, -1), (1, 2, 6), (3, 3, 7), (2, 0, 2), (0, 0, -3)])
+def test_out_of_range_coords(row, col, value, device):
+    coords = _coords()
+    coords[row, col] = value
+    with pytest.raises(SparseTensorError, match=f"coords row {row} .* is outside"):
+        check_coords(coords.to(device), SHAPE, 2)
+    with pytest.raises(SparseTensorError, match="outside"):
+        SparseTensor(_feats(device=device), coords.to(device), SHAPE, batch_size=2)
+
+
+def test_duplicates_rejected_by_default(device):
+    coords = torch.cat([_coords(), _coords()[2:3]]).to(device)
+    with pytest.raises(SparseTensorError, match=r"duplicate coordinate \[1, 2, 3, 4\] at rows 2 and 4"):
+        check_coords(coords, SHAPE, 2)
+    with pytest.raises(SparseTensorError, match="merge_duplicates=True"):
+        SparseTensor(_feats(5, device=device), coords, SHAPE)
+    check_coords(coords, SHAPE, 2, check_duplicates=False)  # opt-out still checks the range
+
+
+def test_merge_duplicates_sums_features(device):
+    coords = torch.cat([_coords(), _coords()[2:3], _coords()[0:1]]).to(device)
+    feats = _feats(6, device=device)
+    st = SparseTensor(feats, coords, SHAPE, merge_duplicates=True)
+    assert torch.equal(st.coords.cpu(), _coords())                  # first-occurrence order
+    expected = feats[:4].clone()
+    expected[2] += feats[4]
+    expected[0] += feats[5]
+    torch.testing.assert_close(st.feats, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("feats,match", [
+    (torch.ones(4, 3, dtype=torch.int32), "floating-point"),
+    ("feats", "floating-point"),
+    (torch.ones(4), r"\[N, C\]"),
+    (torch.ones(5, 3), "feats has 5 rows but coords has 4"),
+])
+def test_bad_feats(feats, match):
+    with pytest.raises(SparseTensorError, match=match):
+        SparseTensor(feats, _coords(), SHAPE)
+
+
+def test_bad_shape_and_batch():
+    with pytest.raises(SparseTensorError, match="spatial_shape entries must be >= 1"):
+        SparseTensor(_feats(), _coords(), (5, 0, 7))
+    with pytest.raises(ValueError, match="3 entries"):
+        SparseTensor(_feats(), _coords(), (5, 6))
+    with pytest.raises(SparseTensorError, match="batch_size must be >= 1"):
+        SparseTensor(_feats(), _coords(), SHAPE, batch_size=0)
+    with pytest.raises(SparseTensorError, match="outside"):
+        SparseTensor(_feats(), _coords(), SHAPE, batch_size=1)  # batch index 1 too large
+
+
+@pytest.mark.gpu
+def test_device_mismatch():
+    with pytest.raises(SparseTensorError, match="cuda.* but coords is on cpu"):
+        SparseTensor(_feats().cuda(), _coords(), SHAPE)
+
+
+def test_empty_tensor(device):
+    coords = torch.empty((0, 4), dtype=torch.int32, device=device)
+    st = SparseTensor(torch.empty((0, 8), device=device), coords, SHAPE)
+    assert st.batch_size == 1 and st.num_voxels == 0
+    assert st.dense().shape == (1, 8, *SHAPE) and not st.dense().any()
+    check_coords(coords, SHAPE, 1)
+
+
+def test_dense(device):
+    feats = _feats(device=device)
+    st = SparseTensor(feats, _coords(device), SHAPE)
+    dense = st.dense()
+    assert dense.shape == (2, 3, *SHAPE)
+    expected = torch.zeros(2, 3, *SHAPE, dtype=torch.float64)
+    for f, (b, x, y, z) in zip(feats.cpu(), _coords().tolist()):
+        expected[b, :, x, y, z] = f
+    assert torch.equal(dense.cpu(), expected)
+
+
+def test_replace_feats_checks_rows(device):
+    st = SparseTensor(_feats(device=device), _coords(device), SHAPE)
+    with pytest.raises(SparseTensorError, match=r"\[4, C\]"):
+        st.replace_feats(_feats(3, device=device))
+    assert st.replace_feats(_feats(4, 5, device=device)).num_channels == 5

@@ -177,5 +177,7 @@ def test_cached_and_edge_cases():
     assert empty.num_out == 0 and empty.fwd.neighbor_map.shape == (0, 27)
     with pytest.raises(ValueError, match="empty grid"):
         build_plan(coords, (6, 6, 6), 2, ConvGeometry.make(9, stride=2, submanifold=False))
+    with pytest.raises(ValueError, match="backend"):
+        build_plan(coords, (6, 6, 6), 2, geometry, backend="bogus")
     with pytest.raises(ValueError, match="submanifold"):
         inverse_plan(build_plan(coords, (6, 6, 6), 2, ConvGeometry.make(3)), coords)

@@ -28,3 +28,9 @@ gpu-check:
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# Precompile every kernel variant for CUDA and ROCm into aot_bundle/ (python -m aot --help);
+# e.g. make aot AOT_ARGS="--targets sm_90 --install".
+.PHONY: aot
+aot: $(STAMP)
+	$(PY) -m aot $(AOT_ARGS)

@@ -38,10 +38,10 @@ def compile_spec(spec: dict, entry_path: Path) -> dict:
     import triton
     from triton.compiler import ASTSource
 
-    from flexplan.aot.keys import BINARY_EXT, TARGETS, gpu_target
+    from flexplan.aot.keys import BINARY_EXT, TARGETS, gpu_target, source_hash
 
     fn = _import_kernel(spec)
-    if fn.cache_key != spec["source_hash"]:
+    if source_hash(fn) != spec["source_hash"]:
         raise SystemExit(f"{spec['kernel']}: source changed since build.ninja was written; rerun `python -m aot`")
     if triton.__version__ != spec["triton_version"]:
         raise SystemExit(f"spec is for Triton {spec['triton_version']}, this is {triton.__version__}; rerun `python -m aot`")

@@ -1,7 +1,6 @@
 """Write OUT/build.ninja: one compile edge per (target, variant), one manifest edge over all."""
 from __future__ import annotations
 
-import importlib
 import shlex
 import sys
 from collections import Counter
@@ -9,7 +8,7 @@ from pathlib import Path
 
 from aot import REPO
 from flexplan.aot.specialize import Specializer, dumps
-from flexplan.aot.keys import BINARY_EXT, MANIFEST_NAME, TARGETS, triton_version
+from flexplan.aot.keys import BINARY_EXT, MANIFEST_NAME, TARGETS, source_files, triton_version
 from flexplan.aot.variants import enumerate_variants
 
 
@@ -22,31 +21,6 @@ def _write_if_changed(path: Path, text: str) -> None:
     if not path.exists() or path.read_text() != text:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-
-
-def kernel_sources(module_name: str) -> list[str]:
-    """Source files a kernel module's binaries depend on: the module and, transitively, the
-    kernels_src modules whose JIT helpers it uses, so touching one rebuilds exactly its artifacts."""
-    import sys
-    import types
-
-    package = module_name.rsplit(".", 1)[0] + "."
-    files, todo, seen = set(), [module_name], set()
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        module = importlib.import_module(name)
-        files.add(module.__file__)
-        for value in vars(module).values():
-            if isinstance(value, types.ModuleType):
-                origin = value.__name__
-            else:
-                origin = getattr(getattr(value, "fn", None), "__module__", None) or ""
-            if origin.startswith(package) and origin in sys.modules:
-                todo.append(origin)
-    return sorted(files)
 
 
 def write_build_file(out: Path, targets: list[str], kernel_filter: str | None,
@@ -82,7 +56,7 @@ def write_build_file(out: Path, targets: list[str], kernel_filter: str | None,
             seen.add(key)
             per_kernel[variant.kernel] += 1
             if variant.module not in sources:
-                sources[variant.module] = " ".join(_esc(f) for f in kernel_sources(variant.module))
+                sources[variant.module] = " ".join(_esc(f) for f in source_files(variant.module))
             spec_file = f"specs/{key}.json"
             _write_if_changed(out / spec_file, dumps(spec))
             stem = f"{target}/{variant.kernel}/{key}"

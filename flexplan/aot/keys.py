@@ -51,6 +51,49 @@ def target_name(target) -> str:
     return str(target.arch).split(":")[0]
 
 
+def source_files(module_name: str) -> list[str]:
+    """Source files of a kernel module's binaries: the module and, transitively, the modules of
+    its package whose JIT helpers it uses (touching one rebuilds exactly the binaries using it)."""
+    import importlib
+    import sys
+    import types
+
+    package = module_name.rsplit(".", 1)[0] + "."
+    files, todo, seen = set(), [module_name], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        module = importlib.import_module(name)
+        files.add(module.__file__)
+        for value in vars(module).values():
+            if isinstance(value, types.ModuleType):
+                origin = value.__name__
+            else:
+                origin = getattr(getattr(value, "fn", None), "__module__", None) or ""
+            if origin.startswith(package) and origin in sys.modules:
+                todo.append(origin)
+    return sorted(files)
+
+
+_source_hashes: dict[str, str] = {}
+
+
+def source_hash(fn) -> str:
+    """Hash of the source files a JITFunction compiles from (by file name and content). Not
+    Triton's fn.cache_key: under Triton 3.6 that depends on which kernels were hashed first."""
+    module = fn.fn.__module__
+    if module not in _source_hashes:
+        digest = hashlib.sha256()
+        for path in source_files(module):
+            digest.update(os.path.basename(path).encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(f.read() + b"\0")
+        _source_hashes[module] = digest.hexdigest()
+    return _source_hashes[module]
+
+
 def kernel_name(fn) -> str:
     """Full name of a JITFunction, as Triton reports it in its compile hooks."""
     return f"{fn.fn.__module__}.{fn.fn.__qualname__}"

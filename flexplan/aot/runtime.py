@@ -18,7 +18,8 @@ from collections import Counter
 from pathlib import Path
 
 from .bundle import Bundle, bundle_dirs, read_bundle
-from .keys import BINARY_EXT, canonical_spec, kernel_name, target_name, triton_version, variant_key
+from .keys import (BINARY_EXT, canonical_spec, kernel_name, source_hash, target_name, triton_version,
+                   variant_key)
 
 log = logging.getLogger("flexplan.aot")
 
@@ -94,13 +95,13 @@ def lookup(fn, target, compile_args: dict):
     name, tname = kernel_name(fn), target_name(target)
     options = json.loads(compile_args["specialization_data"])["options"]
     spec = canonical_spec(compile_args["signature"], compile_args["constants"], compile_args["configs"][0])
-    key = variant_key(tname, name, fn.cache_key, spec, options)
+    key = variant_key(tname, name, source_hash(fn), spec, options)
     index = load_index()
     if key in index:
         return index[key]
     if name not in _sources:
         reason = "no installed bundle has this kernel"
-    elif fn.cache_key not in _sources[name]:
+    elif source_hash(fn) not in _sources[name]:
         reason = "the bundles were built from another version of its source"
     else:
         reason = "this specialization / target was not built"

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from .keys import canonical_spec, gpu_target, kernel_name, triton_version, variant_key
+from .keys import canonical_spec, gpu_target, kernel_name, source_hash, triton_version, variant_key
 from .variants import Variant
 
 _EXAMPLE_ELEMENTS = 64  # example tensors: small, 16-byte aligned, far below ROCm's 2 GiB range
@@ -44,16 +44,16 @@ class Specializer:
         parsed, signature, constants, attrs = fn._pack_args(self._backend, dict(kwargs), bound,
                                                             specialization, options)
         canon = canonical_spec(signature, constants, attrs)
-        name, source_hash = kernel_name(fn), fn.cache_key
+        name, digest = kernel_name(fn), source_hash(fn)
         launch_options = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
         return {
-            "key": variant_key(self.target, name, source_hash, canon, parsed.__dict__),
+            "key": variant_key(self.target, name, digest, canon, parsed.__dict__),
             "target": self.target,
             "kernel": name,
             "short_name": variant.kernel,
             "module": variant.module,
             "attr": variant.attr,
-            "source_hash": source_hash,
+            "source_hash": digest,
             "triton_version": triton_version(),
             "launch_options": launch_options,
             **canon,

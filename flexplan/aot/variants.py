@@ -158,16 +158,15 @@ def planner_variants() -> Iterator[Variant]:
     from ..planner.hashmap import _INSERT_BLOCK, _LOOKUP_BLOCK
 
     i32 = ("tensor", "int32")
-    for key, n in itertools.product(("int32", "int64"), REP_ROWS[:2]):
-        keys = ("tensor", key)
-        yield make_variant(HASH_INSERT, dict(table_keys=keys, table_vals=i32, keys=keys, n=n,
-                                             slot_mask=(1 << 12) - 1, first_dup=i32),
-                           dict(KEY_64=key == "int64", BLOCK=_INSERT_BLOCK))
-        for size, k in itertools.product(itertools.product(REP_GRID_SIZES, repeat=3), REP_KERNEL_SIZES):
-            yield make_variant(HASH_SUBM_NMAP, dict(
-                table_keys=keys, table_vals=i32, coords=i32, nmap=i32, n=n, slot_mask=(1 << 12) - 1,
-                size_x=size[0], size_y=size[1], size_z=size[2]), dict(
-                KX=k, KY=k, KZ=k, DX=1, DY=1, DZ=1, KEY_64=key == "int64", BLOCK=_LOOKUP_BLOCK))
+    for key_64, n, size in itertools.product((False, True), REP_ROWS[:2],
+                                             itertools.product(REP_GRID_SIZES, repeat=3)):
+        common = dict(table_keys=("tensor", "int64"), table_vals=i32, coords=i32, n=n,
+                      slot_mask=(1 << 12) - 1, size_x=size[0], size_y=size[1], size_z=size[2])
+        yield make_variant(HASH_INSERT, dict(common, first_dup=i32),
+                           dict(KEY_64=key_64, BLOCK=_INSERT_BLOCK))
+        for k in REP_KERNEL_SIZES:
+            yield make_variant(HASH_SUBM_NMAP, dict(common, nmap=i32), dict(
+                KX=k, KY=k, KZ=k, DX=1, DY=1, DZ=1, KEY_64=key_64, BLOCK=_LOOKUP_BLOCK))
 
 
 _VARIANTS_OF = {GATHER_GEMM: gather_gemm_variants, WGRAD: wgrad_variants}

@@ -96,9 +96,9 @@ class Problem:
 
 # The candidate space of each family, in one place (the tuner and the AOT build enumerate it).
 CANDIDATE_AXES = {
-    GATHER_GEMM: dict(block_m=PLAN_BLOCK_SIZES, block_n=(16, 32, 64, 128), block_k=(16, 32, 64),
+    GATHER_GEMM: dict(block_m=PLAN_BLOCK_SIZES, block_n=(16, 32, 64, 128, 256), block_k=(16, 32, 64),
                       splitk=(1, 2, 4, 8, 16), num_warps=(4, 8), num_stages=(2, 3, 4)),
-    WGRAD: dict(block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128), block_k=(32, 64, 128),
+    WGRAD: dict(block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128), block_k=(32, 64, 128, 256),
                 splitk=(1, 2, 4, 8, 16, 32, 64), num_warps=(4, 8), num_stages=(2, 3, 4)),
 }
 
@@ -150,41 +150,60 @@ def num_sms() -> int:
     return 132
 
 
-def _splitk_for(problem: Problem, tiles: int, k_iters: int) -> int:
-    """Enough splits to give every SM ~2 programs, keeping >= 4 iterations per split."""
+def _splitk_for(problem: Problem, tiles: int, k_iters: int, programs_per_sm: int) -> int:
+    """Splits (powers of 2, <= 64) until the grid has programs_per_sm programs per SM, keeping
+    >= 4 reduction iterations per split and the workspace within SPLITK_WORKSPACE_BYTES."""
     if not problem.splitk_allowed:
         return 1
     splitk = 1
-    while (tiles * splitk * 2 <= 2 * num_sms() and k_iters // (splitk * 2) >= 4
+    while (tiles * splitk * 2 <= programs_per_sm * num_sms() and k_iters // (splitk * 2) >= 4
            and _workspace_ok(problem, splitk * 2) and splitk * 2 <= 64):
         splitk *= 2
     return splitk
 
 
 def heuristic_config(family: str, problem: Problem) -> KernelConfig:
-    """A reasonable config without tuning (the tuned tables, where present, override it)."""
+    """A reasonable config without tuning (the tuned tables, where present, override it).
+
+    From an H100 sweep (scripts/sweep_submconv_configs.py, 2026-11-22): 128-row tiles, 256
+    output channels per tile from N = 256 up, BLOCK_K 64 for 16-bit and 32 for fp32 (TF32);
+    grad-weight wants many programs (~16 per SM, split over pairs) and long pair chunks when
+    channels are few.
+    """
     if family != problem.family:
         raise ValueError(f"problem part {problem.part!r} belongs to {problem.family}, not {family}")
     m, k, n = problem.gemm_mkn
-    wide = problem.element_bytes <= 2
-    bn = min(128, _pow2_at_least(n))
     if family == GATHER_GEMM:
-        bm = min(128 if wide else 64, _pow2_at_least(m))
-        bk = min(64 if wide else 32, _pow2_at_least(k))
+        if problem.dtype == "float64":  # correctness path (gradcheck), not tuned
+            bm, bn, bk, warps, stages = 64, min(64, _pow2_at_least(n)), min(32, _pow2_at_least(k)), 4, 2
+        else:
+            wide = problem.element_bytes <= 2
+            bn = 256 if n >= 256 else min(128, _pow2_at_least(n))
+            bk = min(64 if wide or bn == 256 else 32, _pow2_at_least(k))
+            bm = min(128, _pow2_at_least(m))
+            warps = 8 if bn == 256 or (wide and bn == 128) else 4
+            stages = 3 if bn == 256 else 4
         tiles = -(-m // bm) * -(-n // bn)
-        k_iters = problem.v * -(-k // bk)
+        splitk = _splitk_for(problem, tiles, problem.v * -(-k // bk), programs_per_sm=2)
     else:
         bm = min(128, _pow2_at_least(m))
-        bk = 64 if wide else 32
+        bn = min(128, _pow2_at_least(n))
+        widest = max(bm, bn)
+        bk = 256 if widest <= 32 else 128 if widest <= 64 else 64
+        if problem.dtype == "float64":
+            bk = min(bk, 32)
+        warps, stages = 4, 3
         tiles = -(-m // bm) * -(-n // bn) * problem.v
-        k_iters = -(-k // bk)
-    warps = 8 if bm * bn >= 128 * 128 else 4
-    stages = 3 if wide else 2
-    return KernelConfig(bm, bn, bk, _splitk_for(problem, tiles, k_iters), warps, stages)
+        splitk = _splitk_for(problem, tiles, -(-k // bk), programs_per_sm=16)
+    return KernelConfig(bm, bn, bk, splitk, warps, stages)
 
 
 def choose_algo(part: str, n: int, ci: int, co: int, v: int, dtype: str) -> str:
-    """What algo="auto" runs: masked implicit GEMM, split over K when the output tiles alone
-    cannot fill the GPU (few rows, or grad-weight's small [Co, Ci] per offset)."""
-    probe = Problem(n, ci, co, v, dtype, "masked_splitk", part)
-    return "masked_splitk" if heuristic_config(probe.family, probe).splitk > 1 else "masked"
+    """What algo="auto" runs: masked implicit GEMM, except plain implicit when the reduced
+    channels are few (<= 64: the masked schedule's extra indirection then costs more than the
+    skipped offsets save, H100 sweep); split over K when the output tiles alone cannot fill the
+    GPU (few rows, or grad-weight's small [Co, Ci] per offset)."""
+    reduced = ci if part == "fwd" else co
+    base = "implicit" if part != "wgrad" and reduced <= 64 else "masked"
+    probe = Problem(n, ci, co, v, dtype, base + "_splitk", part)
+    return probe.algo if heuristic_config(probe.family, probe).splitk > 1 else base

@@ -52,7 +52,8 @@ def make_plan(coords, r):
     geometry = ConvGeometry.submanifold_conv(3)
     try:
         return build_plan(coords, (r, r, r), 1, geometry, check=False)
-    except (ImportError, NotImplementedError):  # no GPU planner yet: the torch planner
+    except Exception as exc:  # the GPU planner failed: the torch planner (same plan) instead
+        print(f"GPU planner failed ({type(exc).__name__}: {exc}); using the torch planner")
         return build_plan(coords, (r, r, r), 1, geometry, backend="torch", check=False)
 
 

@@ -1,0 +1,171 @@
+"""AOT vs JIT start-up on the GPU: time from process start to the first finished SubMConv3d
+forward + backward, Triton compilations counted, results compared.
+
+    python scripts/bench_aot.py [--bundle DIR] [--resolution 96] [--channels 32]
+
+Without --bundle it builds one for this GPU first (`python -m aot --targets <this GPU>`), timed.
+Then three fresh processes, each with its own empty TRITON_CACHE_DIR unless warm:
+  aot       the bundle (FLEXPLAN_AOT_PATH), nothing else
+  jit-cold  FLEXPLAN_AOT=0, empty Triton cache
+  jit-warm  FLEXPLAN_AOT=0, the cache jit-cold left behind
+Each runs forward + backward for every dtype (the plan is built on the GPU, planner kernels
+included) and saves the results; AOT must compile nothing and match JIT exactly.
+Writes scripts/results/bench_aot.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DTYPES = ("float16", "bfloat16", "float32", "tf32", "float64")
+DATE = "2026-11-22"
+
+
+def child(args) -> None:
+    """One measured process: everything from here counts towards the start-up time."""
+    t0 = float(os.environ["BENCH_T0"])
+    from triton import knobs
+
+    compiled = []
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    import torch
+
+    from flexplan import SparseTensor
+    from flexplan.aot import runtime
+    from flexplan.nn.submconv import SubMConv3d
+    from flexplan.workloads import sphere_shell
+
+    device = torch.device("cuda")
+    res = args.resolution
+    coords = sphere_shell(res, device=device)
+    results, first = {}, None
+    for dtype_name in DTYPES:
+        dtype = torch.float32 if dtype_name == "tf32" else getattr(torch, dtype_name)
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        feats = torch.randn(len(coords), args.channels, generator=gen).to(device, dtype).requires_grad_()
+        torch.manual_seed(2)
+        conv = SubMConv3d(args.channels, args.channels, allow_tf32=dtype_name == "tf32",
+                          device=device, dtype=dtype)
+        out = conv(SparseTensor(feats, coords, (res, res, res), 1)).feats
+        grad = torch.randn(out.shape, generator=gen).to(device, dtype)
+        out.backward(grad)
+        torch.cuda.synchronize()
+        if first is None:
+            first = time.time() - t0
+        results[dtype_name] = [t.detach().cpu() for t in (out, feats.grad, conv.weight.grad, conv.bias.grad)]
+    total = time.time() - t0
+    torch.save({"results": results, "first": first, "total": total, "compiled": compiled,
+                "aot_loaded": runtime.stats["aot"], "voxels": len(coords)}, args.save)
+
+
+def spawn(mode: str, save: Path, env: dict, args) -> dict:
+    import torch
+
+    cmd = [sys.executable, __file__, "--child", "--save", str(save),
+           "--resolution", str(args.resolution), "--channels", str(args.channels)]
+    env = dict(env, BENCH_T0=repr(time.time()))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    data = torch.load(save)
+    data["log"] = [line for line in proc.stderr.splitlines() if "flexplan.aot" in line]
+    return data
+
+
+def build_bundle(target: str) -> tuple[Path, float, str]:
+    out = REPO / "aot_bundle"
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "aot", "--targets", target, "--out", str(out),
+                           "-j", str(os.cpu_count() or 1)], cwd=REPO, capture_output=True, text=True)
+    lines = proc.stdout.splitlines()
+    if proc.returncode != 0:
+        raise SystemExit("AOT build failed:\n" + "\n".join(lines[-20:]) + proc.stderr[-3000:])
+    return out, time.time() - start, lines[0] if lines else ""
+
+
+def bundle_bytes(bundle: Path) -> int:
+    import json
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    files = [bundle / "manifest.json"] + [bundle / e[k] for e in manifest["entries"] for k in ("file", "metadata")]
+    return sum(f.stat().st_size for f in files)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bundle", type=Path)
+    parser.add_argument("--resolution", type=int, default=96)
+    parser.add_argument("--channels", type=int, default=32)
+    parser.add_argument("--child", action="store_true")
+    parser.add_argument("--save", type=Path)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+
+    import torch
+    import triton
+    from triton.runtime.driver import driver
+
+    from flexplan.aot.keys import target_name
+
+    target = target_name(driver.active.get_current_target())
+    build_s, build_line = None, ""
+    if args.bundle is None:
+        args.bundle, build_s, build_line = build_bundle(target)
+    work = Path(tempfile.mkdtemp(prefix="bench_aot_"))
+    base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLEXPLAN_AOT_PATH")}
+    base["FLEXPLAN_CACHE_DIR"] = str(work / "flexplan-cache")  # no user-cache bundles, no plan cache
+    runs = {
+        "aot": spawn("aot", work / "aot.pt", dict(base, TRITON_CACHE_DIR=str(work / "tc-aot"),
+                                                 FLEXPLAN_AOT_PATH=str(args.bundle)), args),
+        "jit-cold": spawn("jit-cold", work / "cold.pt", dict(base, TRITON_CACHE_DIR=str(work / "tc-jit"),
+                                                            FLEXPLAN_AOT="0"), args),
+    }
+    runs["jit-warm"] = spawn("jit-warm", work / "warm.pt", dict(base, TRITON_CACHE_DIR=str(work / "tc-jit"),
+                                                               FLEXPLAN_AOT="0"), args)
+    diffs = {}
+    for dtype in DTYPES:
+        pairs = zip(runs["aot"]["results"][dtype], runs["jit-cold"]["results"][dtype])
+        diffs[dtype] = max((a.double() - b.double()).abs().max().item() for a, b in pairs)
+    doctor = subprocess.run([sys.executable, "-m", "flexplan", "doctor"], capture_output=True, text=True,
+                            env=dict(base, FLEXPLAN_AOT_PATH=str(args.bundle))).stdout
+
+    name = torch.cuda.get_device_name()
+    lines = [
+        "# AOT kernels: start-up without JIT compilation", "",
+        f"{name} ({target}), torch {torch.__version__}, Triton {triton.__version__}, {DATE}.",
+        f"Workload: SubMConv3d {args.channels}->{args.channels}, 3x3x3, sphere shell R={args.resolution} "
+        f"({runs['aot']['voxels']} voxels), plan built on the GPU; forward + backward for "
+        f"{', '.join(DTYPES)}. Each mode is a fresh process.", "",
+        "| mode | first fwd+bwd (s, from process start) | all dtypes (s) | Triton compilations | AOT binaries loaded |",
+        "|---|---|---|---|---|",
+    ]
+    for mode, data in runs.items():
+        lines.append(f"| {mode} | {data['first']:.2f} | {data['total']:.2f} | {len(data['compiled'])} "
+                     f"| {data['aot_loaded']} |")
+    lines += ["", "AOT vs JIT results, max |difference| over output, grad-input, grad-weight, grad-bias: "
+              + ", ".join(f"{d} {v:.1e}" for d, v in diffs.items()), "",
+              f"Bundle: {args.bundle.name}, {bundle_bytes(args.bundle) / 2**20:.1f} MiB"
+              + (f"; built here in {build_s:.0f} s ({build_line})" if build_s else ""), ""]
+    if runs["aot"]["compiled"]:
+        lines.append(f"Compiled despite AOT: {sorted(set(runs['aot']['compiled']))}")
+    if runs["aot"]["log"]:
+        lines += ["AOT log lines:", "```", *runs["aot"]["log"][:10], "```"]
+    lines += ["`python -m flexplan doctor`:", "```", doctor.strip(), "```", ""]
+    text = "\n".join(lines)
+    print(text)
+    results = REPO / "scripts" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "bench_aot.md").write_text(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_aot.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ import torch
 
 from flexplan import ConvGeometry, build_plan
 from flexplan.cache.format import PlanFileError, read_plan, write_plan
-from flexplan.cache.key import plan_key
+from flexplan.cache.key import coords_digest, plan_key
 from flexplan.cache.policy import Policy, parse_bytes
 from flexplan.workloads import random_coords
 
@@ -123,6 +123,14 @@ def test_key_depends_on_every_input():
                          ("padding", (0, 0, 1)), ("submanifold", False), ("transposed", True)]:
         variants.add(plan_key(coords, SHAPE, 2, dataclasses.replace(geom, **{field: value})))
     assert base not in variants and len(variants) == 12 + 1 + 1 + 2 + 6
+
+
+@pytest.mark.parametrize("num", [0, 1, 300, 5000])
+def test_key_kernel_matches_torch_path(num, device):
+    """The Triton hash (GPU path) and the torch hash (CPU path) give the same bits, so plans
+    built on either device are found from the other."""
+    coords = make_coords(num=num).to(device)
+    assert coords_digest(coords, use_triton=True) == coords_digest(coords.cpu(), use_triton=False)
 
 
 def test_policy_decisions_and_settings(monkeypatch):

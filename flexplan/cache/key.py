@@ -1,7 +1,8 @@
 """Cache key of a plan: a 128-bit hash of everything the plan depends on.
 
-The coordinates are hashed where they live (GPU or CPU) with a few elementwise torch ops and two
-sums, so the key costs a small fraction of building the plan and moves only 16 bytes to the host.
+The coordinates are hashed where they live, in one pass of a Triton kernel on GPUs (torch ops on
+the CPU, same bits), so the key costs a small fraction of building the plan and moves 16 bytes
+to the host.
 Each int64 word (two int32 coordinate entries) is XORed with its position times an odd constant,
 so order matters, then scrambled by a splitmix64-style finalizer; the words' sum modulo 2**64 is
 one 64-bit lane. Two lanes with independent constants give 128 bits. The scalars (N, batch size,
@@ -39,24 +40,48 @@ def _shift_right_logical(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def coords_digest(coords: torch.Tensor) -> tuple[int, int]:
-    """Two 64-bit lanes over the coordinate rows, in order; computed on coords' device.
+_TRITON_BLOCK = 4096
 
-    Both lanes go through the same ops as rows of one [2, W] tensor: few kernel launches.
-    """
+
+def _words(coords: torch.Tensor) -> torch.Tensor:
+    """The coordinate rows as int64 words (two int32 entries each), in order."""
     flat = coords.contiguous().reshape(-1)
     if flat.numel() % 2:  # pad to whole int64 words (never for [N, 4] int32)
         flat = torch.cat([flat, flat.new_zeros(1)])
-    words = flat.view(torch.int64) if flat.element_size() == 4 else flat.to(torch.int64)
+    return flat.view(torch.int64) if flat.element_size() == 4 else flat.to(torch.int64)
+
+
+def _lane_sums_torch(words: torch.Tensor) -> torch.Tensor:
+    # Both lanes as rows of one [2, W] tensor: one set of kernel launches.
     step, mul1, mul2 = torch.tensor(_LANES, dtype=torch.int64, device=words.device).t()[:, :, None]
     position = torch.arange(words.numel(), device=words.device, dtype=torch.int64)
-    x = words ^ (position * step)  # [2, W]; int64 products wrap modulo 2**64 on CPU and GPU
+    x = words ^ (position * step)  # int64 products wrap modulo 2**64 on CPU and GPU
     x = x ^ _shift_right_logical(x, 30)
     x = x * mul1
     x = x ^ _shift_right_logical(x, 27)
     x = x * mul2
     x = x ^ _shift_right_logical(x, 31)
-    return tuple(int(v) & ((1 << 64) - 1) for v in x.sum(dim=1).tolist())  # one sync
+    return x.sum(dim=1)
+
+
+def _lane_sums_triton(words: torch.Tensor) -> torch.Tensor:
+    # One pass over the words instead of a dozen elementwise kernels (kernels_src/plan_hash.py).
+    from ..kernels_src import plan_hash
+    from ..launcher import launch
+
+    programs = max(-(-words.numel() // _TRITON_BLOCK), 1)
+    partial = torch.empty((programs, 2), dtype=torch.int64, device=words.device)
+    launch(plan_hash.plan_hash_kernel, (programs,), words, partial, words.numel(), BLOCK=_TRITON_BLOCK)
+    return partial.sum(dim=0)
+
+
+def coords_digest(coords: torch.Tensor, use_triton: bool | None = None) -> tuple[int, int]:
+    """Two 64-bit lanes over the coordinate rows, in order, computed on coords' device (a Triton
+    kernel on GPUs, torch ops elsewhere; the same bits either way)."""
+    words = _words(coords)
+    triton_path = coords.is_cuda if use_triton is None else use_triton
+    sums = _lane_sums_triton(words) if triton_path else _lane_sums_torch(words)
+    return tuple(int(v) & ((1 << 64) - 1) for v in sums.tolist())  # one sync
 
 
 def plan_key(coords: torch.Tensor, spatial_shape, batch_size: int, geometry: ConvGeometry) -> str:

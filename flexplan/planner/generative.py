@@ -16,7 +16,7 @@ import torch
 
 from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
-from ..plan import MISSING, ConvPlan, GatherMap
+from ..plan import MISSING, ConvPlan
 from .keys import pack_coords, unpack_keys
 from .offsets import kernel_offsets
 from .segments import gather_map, valid_signal
@@ -81,9 +81,13 @@ def generative_plan(coords: torch.Tensor, spatial_shape: tuple[int, int, int], b
     fwd[out_rows, taps] = rows.to(torch.int32)
     bwd = torch.full((n_in, v), MISSING, dtype=torch.int32, device=coords.device)
     bwd[rows, taps] = out_rows.to(torch.int32)
-    return _plan(geometry, batch_size, tuple(spatial_shape), out_shape, n_in,
-                 unpack_keys(out_keys, out_shape), gather_map(fwd, PLAN_BLOCK_SIZES),
-                 gather_map(bwd, PLAN_BLOCK_SIZES))
+    sig_i, sig_o, sig_seg = valid_signal(fwd)
+    return ConvPlan(
+        geometry=geometry, batch_size=batch_size, in_spatial_shape=tuple(spatial_shape),
+        out_spatial_shape=out_shape, num_in=n_in, num_out=n_out,
+        out_coords=unpack_keys(out_keys, out_shape), fwd=gather_map(fwd, PLAN_BLOCK_SIZES),
+        bwd=gather_map(bwd, PLAN_BLOCK_SIZES),
+        valid_signal_i=sig_i, valid_signal_o=sig_o, valid_signal_seg=sig_seg)
 
 
 def inverse_plan(paired: ConvPlan, paired_in_coords: torch.Tensor) -> ConvPlan:
@@ -100,16 +104,11 @@ def inverse_plan(paired: ConvPlan, paired_in_coords: torch.Tensor) -> ConvPlan:
     if paired_in_coords.shape[0] != paired.num_in:
         raise ValueError(f"paired conv had {paired.num_in} inputs, got "
                          f"{paired_in_coords.shape[0]} coords")
-    geometry = replace(paired.geometry, transposed=not paired.geometry.transposed)
-    return _plan(geometry, paired.batch_size, paired.out_spatial_shape, paired.in_spatial_shape,
-                 paired.num_out, paired_in_coords, paired.bwd, paired.fwd)
-
-
-def _plan(geometry, batch_size, in_shape, out_shape, n_in, out_coords, fwd: GatherMap,
-          bwd: GatherMap) -> ConvPlan:
-    sig_i, sig_o, sig_seg = valid_signal(fwd.neighbor_map)
+    # Same pairs, roles swapped: still grouped by tap (within a tap, in the paired order).
     return ConvPlan(
-        geometry=geometry, batch_size=batch_size, in_spatial_shape=in_shape,
-        out_spatial_shape=out_shape, num_in=n_in, num_out=out_coords.shape[0],
-        out_coords=out_coords, fwd=fwd, bwd=bwd,
-        valid_signal_i=sig_i, valid_signal_o=sig_o, valid_signal_seg=sig_seg)
+        geometry=replace(paired.geometry, transposed=not paired.geometry.transposed),
+        batch_size=paired.batch_size, in_spatial_shape=paired.out_spatial_shape,
+        out_spatial_shape=paired.in_spatial_shape, num_in=paired.num_out,
+        num_out=paired.num_in, out_coords=paired_in_coords, fwd=paired.bwd, bwd=paired.fwd,
+        valid_signal_i=paired.valid_signal_o, valid_signal_o=paired.valid_signal_i,
+        valid_signal_seg=paired.valid_signal_seg)

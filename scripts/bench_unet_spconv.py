@@ -124,6 +124,31 @@ def step_time(net, sp, feats, coord_sets, shape, batch, iters):
     return sorted(times)[len(times) // 2]
 
 
+def plan_times(coords, shape, batch, lines):
+    """Build times of the U-Net's plans at full resolution (ms, median of 5, cache bypassed)."""
+    from triton.testing import do_bench
+
+    from flexplan import ConvGeometry, build_plan
+    from flexplan.planner.generative import inverse_plan
+    from flexplan.sparse_tensor import check_coords
+
+    down1 = ConvGeometry.make(3, stride=2, padding=1, submanifold=False)
+    down2 = ConvGeometry.make(2, stride=2, submanifold=False)
+    p1 = build_plan(coords, shape, batch, down1, check=False)
+    cases = {
+        "check_coords": lambda: check_coords(coords, shape, batch),
+        "subm 3^3": lambda: build_plan(coords, shape, batch, ConvGeometry.make(3), check=False),
+        "down 3^3/2": lambda: build_plan(coords, shape, batch, down1, check=False),
+        "down 2^3/2 (level 1)": lambda: build_plan(p1.out_coords, p1.out_spatial_shape, batch,
+                                                   down2, check=False),
+        "inverse of down 3^3/2": lambda: inverse_plan(p1, coords),
+    }
+    ms = {k: do_bench(f, warmup=2, rep=20, return_mode="median") for k, f in cases.items()}
+    lines.append("Plan build times at full resolution, ms: " +
+                 ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
+    print(lines[-1], flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--resolution", type=int, default=160)
@@ -151,6 +176,7 @@ def main(argv=None) -> int:
     same = accuracy(ref_net, fx_net, feats, coords, shape, batch, lines)
     lines.append("")
     conv1x1_check(lines)
+    plan_times(coords, shape, batch, lines)
 
     # Fresh coordinates: random 90% subsets of the shell, a different one every step.
     gen = torch.Generator(device="cuda").manual_seed(2)

@@ -246,3 +246,14 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
         assert call[0] in kernels, f"{call[0]} is not in flexplan/aot/variants.py"
         # ints compare by kind only: the registry's example values differ from this tiny problem
         assert call in known, call
+
+
+def test_doctor_lists_the_bundle(bundle, tmp_path):
+    out, _ = bundle
+    env = _env(FLEXPLAN_AOT_PATH=str(out), FLEXPLAN_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "flexplan", "doctor", "--target", "sm_90"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"bundle:  {out}" in proc.stdout and "usable" in proc.stdout
+    assert "precompiled for sm_90: " in proc.stdout and "conv_wgrad_kernel x1" in proc.stdout
+    assert "JIT-compiled on first use here: " in proc.stdout

@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bundle:  {root}  {count} binaries  {state}")
     if target is None:
         return 0
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("interpreter mode: kernels are interpreted, nothing is compiled")
+        return 0
     tname = target_name(target)
     index = runtime.load_index()
     here = Counter(e["kernel"].rsplit(".", 1)[-1] for _, e in index.values() if e["target"] == tname)

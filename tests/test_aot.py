@@ -257,3 +257,17 @@ def test_doctor_lists_the_bundle(bundle, tmp_path):
     assert f"bundle:  {out}" in proc.stdout and "usable" in proc.stdout
     assert "precompiled for sm_90: " in proc.stdout and "conv_wgrad_kernel x1" in proc.stdout
     assert "JIT-compiled on first use here: " in proc.stdout
+
+
+def test_install_copies_the_bundle_into_the_user_cache(bundle, tmp_path, monkeypatch):
+    from flexplan.aot.bundle import bundle_dirs, install_bundle, read_bundle
+
+    out, _ = bundle
+    monkeypatch.setenv("FLEXPLAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FLEXPLAN_AOT_PATH", raising=False)
+    dest = install_bundle(out)
+    assert dest.parent == tmp_path / "aot" and dest in bundle_dirs()
+    installed = read_bundle(dest)
+    assert installed.problem is None and installed.entries == _manifest(out)["entries"]
+    assert all(installed.entry_files_ok(e) is None for e in installed.entries)
+    assert not (dest / "build.ninja").exists()  # binaries and manifest only

@@ -1,8 +1,145 @@
-"""Pick the kernel config for one problem: a tuned table entry if any, else the heuristic."""
+"""Pick the kernel config of one call: the tuned table's entry for its bucket, else the
+heuristic default at once (and, opted in with FLEXPLAN_TUNE, tune that bucket).
+
+FLEXPLAN_TUNE: "off" (default): never benchmark at run time.
+               "background": tune missing buckets in a worker thread; calls use the heuristic
+                             until the result lands (timings share the GPU with the caller).
+               "ondemand":   tune a missing bucket in the call that first needs it (one-off
+                             pause of seconds, exact timings).
+Tables are read once per device and process; a lookup is a bucket computation plus a dict get.
+"""
 from __future__ import annotations
 
+import os
+import threading
+import warnings
+from contextlib import contextmanager
 
-def select_config(family: str, problem):
-    from ..kernel_configs import heuristic_config
+from ..kernel_configs import KernelConfig, Problem, heuristic_config
+from . import table as _table
+from .buckets import Bucket
+from .device import DeviceKey, current_device_index, device_key
 
-    return heuristic_config(family, problem)
+TUNE_ENV = "FLEXPLAN_TUNE"
+TUNE_MODES = ("off", "background", "ondemand")
+
+_forced = threading.local()
+_lock = threading.RLock()
+_tables: dict = {}   # device index -> {Bucket: KernelConfig}, this GPU's merged tables
+_memo: dict = {}     # (device index, Bucket) -> KernelConfig
+_warned: set = set()  # one warning per unusable table file
+
+
+@contextmanager
+def forced_config(config: KernelConfig):
+    """Within the block (this thread only), select_config returns `config`: how the tuner
+    measures a config through the ops' own launch code."""
+    previous = getattr(_forced, "config", None)
+    _forced.config = config
+    try:
+        yield
+    finally:
+        _forced.config = previous
+
+
+def select_config(family: str, problem: Problem) -> KernelConfig:
+    forced = getattr(_forced, "config", None)
+    if forced is not None:
+        return forced
+    index = current_device_index()
+    bucket = Bucket.of(problem)
+    config = _memo.get((index, bucket))
+    if config is None:
+        config = _resolve(index, bucket, family)
+    return config
+
+
+def _resolve(index, bucket: Bucket, family: str) -> KernelConfig:
+    with _lock:
+        config = _table_for(index).get(bucket)
+        if config is None:
+            config = heuristic_config(family, bucket.representative())
+            if index is not None:
+                config = _tune_missing(index, bucket) or config
+        _memo[(index, bucket)] = config
+    return config
+
+
+def _tune_missing(index: int, bucket: Bucket) -> KernelConfig | None:
+    mode = tune_mode()
+    if mode == "off":
+        return None
+    from . import online
+
+    if mode == "ondemand":
+        return online.tune_now(index, bucket)
+    online.tune_in_background(index, bucket)
+    return None
+
+
+def tune_mode() -> str:
+    mode = os.environ.get(TUNE_ENV, "off").strip().lower() or "off"
+    if mode not in TUNE_MODES:
+        _warn_once(TUNE_ENV, f"{TUNE_ENV}={mode!r} is not one of {TUNE_MODES}; tuning stays off")
+        return "off"
+    return mode
+
+
+def add_configs(index: int, configs: dict) -> None:
+    """Make freshly tuned {Bucket: KernelConfig} visible to the next calls."""
+    with _lock:
+        _table_for(index).update(configs)
+        for bucket in configs:
+            _memo.pop((index, bucket), None)
+
+
+def reset() -> None:
+    """Forget loaded tables, memoized configs and warnings (tests; after writing a table)."""
+    with _lock:
+        _tables.clear()
+        _memo.clear()
+        _warned.clear()
+
+
+def _table_for(index) -> dict:
+    if index not in _tables:
+        _tables[index] = {} if index is None else load_configs(device_key(index))
+    return _tables[index]
+
+
+def load_configs(device: DeviceKey) -> dict:
+    """{Bucket: KernelConfig} for `device`: the shipped table, overridden by the user's."""
+    configs = {}
+    for path in _table.shipped_table_paths():
+        table = _read_or_warn(path)
+        if table is None or not table.device.same_gpu(device):
+            continue  # a table for another GPU: not ours, nothing to say
+        if table.device != device:
+            _warn_once(path, f"flexplan: shipped tuning table {path.name} was tuned with Triton "
+                             f"{table.device.triton}, this is Triton {device.triton}; using "
+                             "heuristic configs (run `python -m flexplan tune` to tune this GPU)")
+            continue
+        configs.update({b: e.config for b, e in table.entries.items()})
+    path = _table.user_table_path(device)
+    if path.exists():
+        table = _read_or_warn(path)
+        if table is not None and table.device != device:
+            _warn_once(path, f"flexplan: tuning table {path} belongs to {table.device}, not to "
+                             f"{device}; ignored")
+        elif table is not None:
+            configs.update({b: e.config for b, e in table.entries.items()})
+    return configs
+
+
+def _read_or_warn(path):
+    try:
+        return _table.read_table(path)
+    except _table.TableError as err:
+        _warn_once(path, f"flexplan: ignoring unusable tuning table {path}: {err}")
+        return None
+
+
+def _warn_once(key, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import asdict
 
 import torch
@@ -41,6 +42,7 @@ def _shift_right_logical(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 _TRITON_BLOCK = 4096
+_triton_failed = False  # set once if the kernel cannot compile here
 
 
 def _words(coords: torch.Tensor) -> torch.Tensor:
@@ -78,9 +80,21 @@ def _lane_sums_triton(words: torch.Tensor) -> torch.Tensor:
 def coords_digest(coords: torch.Tensor, use_triton: bool | None = None) -> tuple[int, int]:
     """Two 64-bit lanes over the coordinate rows, in order, computed on coords' device (a Triton
     kernel on GPUs, torch ops elsewhere; the same bits either way)."""
+    global _triton_failed
     words = _words(coords)
-    triton_path = coords.is_cuda if use_triton is None else use_triton
-    sums = _lane_sums_triton(words) if triton_path else _lane_sums_torch(words)
+    triton_path = (coords.is_cuda and not _triton_failed) if use_triton is None else use_triton
+    if triton_path:
+        try:
+            sums = _lane_sums_triton(words)
+        except Exception as exc:  # noqa: BLE001 - a compile failure must not stop convolutions
+            if use_triton:
+                raise
+            _triton_failed = True
+            warnings.warn(f"flexplan plan cache: hash kernel unavailable ({exc!r}); hashing with "
+                          "torch ops (same keys, slower)", RuntimeWarning, stacklevel=3)
+            sums = _lane_sums_torch(words)
+    else:
+        sums = _lane_sums_torch(words)
     return tuple(int(v) & ((1 << 64) - 1) for v in sums.tolist())  # one sync
 
 

@@ -181,3 +181,30 @@ def test_cached_and_edge_cases():
         build_plan(coords, (6, 6, 6), 2, geometry, backend="bogus")
     with pytest.raises(ValueError, match="submanifold"):
         inverse_plan(build_plan(coords, (6, 6, 6), 2, ConvGeometry.make(3)), coords)
+
+
+@pytest.mark.gpu
+def test_gpu_plans_equal_cpu_and_layers_match_dense():
+    """On the GPU: the same plans as on the CPU; fp32 / fp16 layers against float64 dense."""
+    import flexplan.nn.spconv as spconv
+
+    for case in CASES:
+        shape = case[4]
+        for transposed in (False, True):
+            geometry = geometry_of(case, transposed)
+            coords, _ = make_case(shape, seed=11)
+            cpu = build_plan(coords, shape, 2, geometry)
+            gpu = build_plan(coords.cuda(), shape, 2, geometry)
+            for name, t in cpu.tensors().items():
+                assert torch.equal(gpu.tensors()[name].cpu(), t), name
+    coords, feats = make_case((24, 20, 22), density=0.1, seed=12)
+    weight = torch.randn(8, 3, 3, 3, 3, dtype=torch.float64)
+    geometry = ConvGeometry.make(3, stride=2, padding=1, submanifold=False)
+    ref = read_back(dense_conv(to_dense(feats, coords, (24, 20, 22), 2), weight, geometry),
+                    build_plan(coords, (24, 20, 22), 2, geometry).out_coords)
+    for dtype, tol in ((torch.float32, 2e-5), (torch.float16, 3e-3)):
+        layer = spconv.SparseConv3d(3, 8, 3, 2, 1, bias=False).cuda().to(dtype)
+        layer.weight.data.copy_(weight)
+        x = spconv.SparseConvTensor(feats.cuda().to(dtype), coords.cuda(), (24, 20, 22), 2)
+        out = layer(x).features.double().cpu()
+        assert (out - ref).abs().max() / ref.abs().max() < tol

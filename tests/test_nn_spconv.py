@@ -161,7 +161,9 @@ def test_state_dict_round_trip_spconv_layout():
     again.load_state_dict(net.state_dict())
     torch.testing.assert_close(again(x).features, out.features, rtol=0, atol=0)
     native = dict(state, **{"1.weight": state["1.weight"].permute(1, 2, 3, 0, 4)})
+    native["0.weight"] = state["0.weight"].permute(1, 2, 3, 0, 4)  # SubMConv3d too
     again.load_state_dict(native)
+    assert torch.equal(again[0].weight, state["0.weight"])
     assert torch.equal(again[1].weight, state["1.weight"])
 
 

@@ -30,6 +30,19 @@ class SparseModule(torch.nn.Module):
         self.name = name
 
 
+class _LoadsNativeLayout(torch.nn.Module):
+    """Loads spconv Native-algorithm weights [K0, K1, K2, Co, Ci] by permuting them to
+    [Co, K0, K1, K2, Ci], when the shape tells the two layouts apart."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        weight = state_dict.get(prefix + "weight")
+        co, k0, k1, k2, ci = self.weight.shape
+        if weight is not None and tuple(weight.shape) == (k0, k1, k2, co, ci) != \
+                tuple(self.weight.shape):
+            state_dict[prefix + "weight"] = weight.permute(3, 0, 1, 2, 4)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
 def algo_name(algo) -> str:
     """flexplan algorithm for an `algo` argument: one of its names, or "auto" for None and for
     spconv ConvAlgo values (flexplan picks its own kernels)."""
@@ -62,7 +75,7 @@ def _record(indice_dict: dict, key, geometry: ConvGeometry, data: IndiceData) ->
     return {**indice_dict, key: data}
 
 
-class SparseConvolution(SparseModule):
+class SparseConvolution(_LoadsNativeLayout, SparseModule):
     """Strided, transposed or inverse sparse convolution (spconv's SparseConvolution, ndim=3).
 
     subm=True is SubMConv3d's job; groups and output_padding other than 1 / 0 are unsupported.
@@ -99,13 +112,6 @@ class SparseConvolution(SparseModule):
         self.reset_parameters()
 
     reset_parameters = _SubMConv3d.reset_parameters  # +-1/sqrt(fan_in), like flexplan's own
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        weight = state_dict.get(prefix + "weight")
-        native = (*self.kernel_size, self.out_channels, self.in_channels)
-        if weight is not None and tuple(weight.shape) == native != tuple(self.weight.shape):
-            state_dict[prefix + "weight"] = weight.permute(3, 0, 1, 2, 4)  # RSKC -> KRSC
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: SparseConvTensor) -> SparseConvTensor:
         _check_input(self, x)
@@ -165,7 +171,7 @@ class SparseInverseConv3d(SparseConvolution):
                          indice_key=indice_key, algo=algo, name=name, **kwargs)
 
 
-class SubMConv3d(_SubMConv3d, SparseModule):
+class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
     """spconv's SubMConv3d: flexplan's SubMConv3d with spconv's constructor and indice_key.
 
     Plans are shared by geometry through the tensor, so indice_key only matters to keep

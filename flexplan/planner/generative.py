@@ -44,17 +44,16 @@ def _candidates(coords: torch.Tensor, geometry: ConvGeometry, out_shape) -> tupl
     offsets = kernel_offsets(geometry, coords.device, centered=False).to(torch.int32)  # [V, 3]
     stride = torch.tensor(geometry.stride, dtype=torch.int32, device=coords.device)
     padding = torch.tensor(geometry.padding, dtype=torch.int32, device=coords.device)
-    upper = torch.tensor(out_shape, dtype=torch.int32, device=coords.device)
     spatial = coords[:, 1:]
     # Validity one axis at a time keeps the temporaries at [N, V] rather than [N, V, 3].
     valid = None
-    for a in range(3):
+    for a, (s, p, n) in enumerate(zip(geometry.stride, geometry.padding, out_shape)):
         if geometry.transposed:
-            o = spatial[:, a, None] * stride[a] - padding[a] + offsets[None, :, a]
-            ok = (o >= 0) & (o < upper[a])
+            o = spatial[:, a, None] * s - p + offsets[None, :, a]
+            ok = (o >= 0) & (o < n)
         else:
-            num = spatial[:, a, None] + padding[a] - offsets[None, :, a]
-            ok = (num >= 0) & (num % stride[a] == 0) & (num < upper[a] * stride[a])
+            num = spatial[:, a, None] + p - offsets[None, :, a]
+            ok = (num >= 0) & (num % s == 0) & (num < n * s)
         valid = ok if valid is None else valid & ok
     rows, taps = valid.nonzero(as_tuple=True)
     if geometry.transposed:

@@ -1,11 +1,12 @@
 """`python -m aot` (and `make aot`): precompile every kernel variant for CUDA and ROCm targets.
 
-    python -m aot [--targets sm_90,gfx942] [--out aot_bundle] [--kernels wgrad] [--sample N]
-                  [-j N] [--install]
+    python -m aot [--targets sm_90,gfx942] [--out aot_bundle] [--kernels wgrad] [--channels 32,64]
+                  [--sample N] [-j N] [--install]
 
 Writes OUT/build.ninja (one edge per binary) and runs ninja on it: parallel, incremental (a
 second run does nothing; touching a kernel source rebuilds its binaries; another Triton version
-rebuilds all), with ninja's progress line. OUT then holds a bundle: manifest.json plus
+rebuilds all), with ninja's progress line. A variant this Triton cannot compile is recorded
+as failed (the runtime leaves it to the JIT) instead of stopping the build. OUT then holds a bundle: manifest.json plus
 <target>/<kernel>/<key>.{cubin,hsaco,json}. --install copies the bundle into the user cache
 (flexplan.paths.aot_cache_dir()), where the runtime finds it.
 """
@@ -29,6 +30,8 @@ def parse_args(argv):
                         help=f"comma-separated targets (default: all of {','.join(TARGETS)})")
     parser.add_argument("--out", default="aot_bundle", help="bundle/build directory")
     parser.add_argument("--kernels", default=None, help="only kernels whose name contains this")
+    parser.add_argument("--channels", default=None,
+                        help="comma-separated layer widths to cover instead of the defaults (e.g. 32,64)")
     parser.add_argument("--sample", type=int, default=None,
                         help="only the first N variants of each kernel (quick checks, tests)")
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
@@ -36,6 +39,7 @@ def parse_args(argv):
                         help="copy the finished bundle into the user cache (flexplan.paths.aot_cache_dir())")
     args = parser.parse_args(argv)
     args.targets = [t for t in args.targets.split(",") if t]
+    args.channels = [int(c) for c in args.channels.split(",")] if args.channels else None
     for t in args.targets:
         if t not in TARGETS:
             parser.error(f"unknown target {t!r}; choose from {', '.join(TARGETS)}")
@@ -47,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from aot.ninja_file import write_build_file
 
     out = Path(args.out).resolve()
-    count = write_build_file(out, args.targets, args.kernels, args.sample)
+    count = write_build_file(out, args.targets, args.kernels, args.sample, args.channels)
     print(f"aot: {count} binaries for {','.join(args.targets)} in {out}", flush=True)
     ninja = shutil.which("ninja", path=_ninja_bin_dir())
     if ninja is None:
@@ -57,11 +61,24 @@ def main(argv: list[str] | None = None) -> int:
     if rc == 0:
         # Binaries of variants no longer listed (changed sources, other Triton) are removed.
         subprocess.call([ninja, "-C", str(out), "-t", "cleandead"], stdout=subprocess.DEVNULL)
+    if rc == 0:
+        _report_failures(out)
     if rc == 0 and args.install:
         from flexplan.aot.bundle import install_bundle
 
         print(f"aot: installed into {install_bundle(out)}")
     return rc
+
+
+def _report_failures(out: Path) -> None:
+    import json
+
+    failed = json.loads((out / "manifest.json").read_text()).get("failed", [])
+    for entry in failed[:5]:
+        print(f"aot: {entry['target']} {entry['kernel']} {entry['key']}: does not compile: {entry['error']}")
+    if failed:
+        print(f"aot: {len(failed)} variants do not compile with this Triton (left to the JIT; "
+              "listed under 'failed' in manifest.json)")
 
 
 def _ninja_bin_dir() -> str:

@@ -48,28 +48,50 @@ def compile_spec(spec: dict, entry_path: Path) -> dict:
     constants = {tuple(path): value for path, value in spec["constants"]}
     attrs = {tuple(path): value for path, value in spec["compile_attrs"]}
     src = ASTSource(fn, spec["signature"], constants, attrs)
-    compiled = triton.compile(src, target=gpu_target(spec["target"]), options=spec["launch_options"])
+    entry = {k: spec[k] for k in ("key", "kernel", "target", "triton_version", "source_hash",
+                                  "signature", "constants", "attrs", "launch_options")}
+    try:
+        compiled = triton.compile(src, target=gpu_target(spec["target"]), options=spec["launch_options"])
+    except Exception as exc:  # deterministic: recorded so the build goes on and is not retried
+        compiled = None
+        entry["error"] = _short_error(exc)
 
     ext = BINARY_EXT[TARGETS[spec["target"]][0]]
     out_dir = entry_path.parent
     binary = out_dir / f"{spec['key']}.{ext}"
     metadata = out_dir / f"{spec['key']}.json"
+    if compiled is None:
+        # Empty placeholders keep the edge's outputs complete (a no-op rebuild stays a no-op);
+        # the manifest lists failed entries apart, without files.
+        binary.write_bytes(b"")
+        metadata.write_bytes(b"")
+        _write_json(entry_path, entry)
+        return entry
     binary.write_bytes(compiled.kernel)
     meta_src = next(p for name, p in compiled.metadata_group.items() if name.endswith(".json"))
     shutil.copyfile(meta_src, metadata)
     bundle_root = entry_path.parent.parent.parent  # <root>/<target>/<kernel>/<key>.entry.json
-    entry = {
-        "key": spec["key"], "kernel": spec["kernel"], "target": spec["target"],
-        "triton_version": spec["triton_version"], "source_hash": spec["source_hash"],
-        "signature": spec["signature"], "constants": spec["constants"], "attrs": spec["attrs"],
-        "launch_options": spec["launch_options"],
-        "file": str(binary.relative_to(bundle_root)), "sha256": _sha256(binary),
-        "metadata": str(metadata.relative_to(bundle_root)), "metadata_sha256": _sha256(metadata),
-    }
-    tmp = entry_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(entry, sort_keys=True, indent=1))
-    tmp.replace(entry_path)  # the entry appears last: ninja sees a finished artifact or none
+    entry.update(file=str(binary.relative_to(bundle_root)), sha256=_sha256(binary),
+                 metadata=str(metadata.relative_to(bundle_root)), metadata_sha256=_sha256(metadata))
+    _write_json(entry_path, entry)
     return entry
+
+
+def _short_error(exc: BaseException) -> str:
+    """One line. Triton's CompilationError puts a source excerpt first and nests the reason."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    reason = getattr(exc, "error_message", None)
+    if not reason:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip().strip("^")]
+        reason = lines[-1] if lines else ""
+    return f"{exc.__class__.__name__}: {reason}"[:300]
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, sort_keys=True, indent=1))
+    tmp.replace(path)  # the entry appears last: ninja sees a finished artifact or none
 
 
 def main(argv: list[str] | None = None) -> int:

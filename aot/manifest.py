@@ -16,6 +16,7 @@ def write_manifest(bundle: Path, entry_files: list[str]) -> Path:
     from flexplan.aot.keys import MANIFEST_FORMAT, MANIFEST_NAME
 
     entries = [json.loads((bundle / f).read_text()) for f in entry_files]
+    order = lambda e: (e["target"], e["kernel"], e["key"])  # noqa: E731
     versions = sorted({e["triton_version"] for e in entries})
     if len(versions) > 1:
         raise SystemExit(f"entries from several Triton versions {versions}; rebuild with one")
@@ -23,7 +24,8 @@ def write_manifest(bundle: Path, entry_files: list[str]) -> Path:
         "format": MANIFEST_FORMAT,
         "triton_version": versions[0] if versions else None,
         "targets": sorted({e["target"] for e in entries}),
-        "entries": sorted(entries, key=lambda e: (e["target"], e["kernel"], e["key"])),
+        "entries": sorted((e for e in entries if "error" not in e), key=order),
+        "failed": sorted((e for e in entries if "error" in e), key=order),
     }
     path = bundle / MANIFEST_NAME
     tmp = path.with_suffix(".tmp")

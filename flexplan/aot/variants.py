@@ -89,15 +89,22 @@ def add_config_source(source: ConfigSource) -> None:
         _extra_sources.append(source)
 
 
-def representative_problems() -> Iterator[Problem]:
+def channel_pairs(channels: Iterable[int] | None = None) -> tuple[tuple[int, int], ...]:
+    """(ci, co) pairs to cover: REP_CHANNEL_PAIRS, or every pair of the given widths."""
+    if channels is None:
+        return REP_CHANNEL_PAIRS
+    return tuple(itertools.product(channels, repeat=2))
+
+
+def representative_problems(channels: Iterable[int] | None = None) -> Iterator[Problem]:
     for dtype, part, n, (ci, co), v in itertools.product(
-            DTYPES, ("fwd", "dgrad", "wgrad"), REP_ROWS, REP_CHANNEL_PAIRS, REP_VOLUMES):
+            DTYPES, ("fwd", "dgrad", "wgrad"), REP_ROWS, channel_pairs(channels), REP_VOLUMES):
         rows = n * v if part == "wgrad" else n  # wgrad's rows are pairs
         yield Problem(rows, ci, co, v, dtype, choose_algo(part, rows, ci, co, v, dtype), part)
 
 
-def heuristic_source() -> Iterator[tuple[Problem, KernelConfig]]:
-    for problem in representative_problems():
+def heuristic_source(channels: Iterable[int] | None = None) -> Iterator[tuple[Problem, KernelConfig]]:
+    for problem in representative_problems(channels):
         yield problem, heuristic_config(problem.family, problem)
 
 
@@ -172,14 +179,18 @@ def planner_variants() -> Iterator[Variant]:
 _VARIANTS_OF = {GATHER_GEMM: gather_gemm_variants, WGRAD: wgrad_variants}
 
 
-def enumerate_variants(kernel_filter: str | None = None) -> list[Variant]:
+def enumerate_variants(kernel_filter: str | None = None,
+                       channels: Iterable[int] | None = None) -> list[Variant]:
     """Every variant to build, deduplicated, in a stable order; kernel_filter keeps the kernels
     whose short name contains it."""
     seen: dict[Variant, None] = {}
     for variant in planner_variants():
         if not kernel_filter or kernel_filter in variant.kernel:
             seen.setdefault(variant, None)
-    for source in config_sources():
+    sources = config_sources()
+    if channels is not None:  # narrowed to these widths: the heuristic over them, nothing else
+        sources = [lambda: heuristic_source(channels)]
+    for source in sources:
         for problem, cfg in source():
             family = problem.family
             if kernel_filter and kernel_filter not in family:

@@ -96,7 +96,7 @@ class Problem:
 
 # The candidate space of each family, in one place (the tuner and the AOT build enumerate it).
 CANDIDATE_AXES = {
-    GATHER_GEMM: dict(block_m=PLAN_BLOCK_SIZES, block_n=(16, 32, 64, 128, 256), block_k=(16, 32, 64),
+    GATHER_GEMM: dict(block_m=PLAN_BLOCK_SIZES, block_n=(16, 32, 64, 128, 256), block_k=(16, 32, 64, 128),
                       splitk=(1, 2, 4, 8, 16), num_warps=(4, 8), num_stages=(2, 3, 4)),
     WGRAD: dict(block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128), block_k=(32, 64, 128, 256),
                 splitk=(1, 2, 4, 8, 16, 32, 64), num_warps=(4, 8), num_stages=(2, 3, 4)),
@@ -120,7 +120,7 @@ def candidate_configs(problem: Problem) -> list[KernelConfig]:
             if bn > _pow2_at_least(n):
                 continue
             for bk in axes["block_k"]:
-                if bk > _pow2_at_least(k):
+                if bk > 4 * _pow2_at_least(k):  # larger chunks span offsets (FLAT_K)
                     continue
                 for s in axes["splitk"]:
                     if s > 1 and not (problem.splitk_allowed and _workspace_ok(problem, s)):

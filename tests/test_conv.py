@@ -168,7 +168,7 @@ EDGE_ALGOS = ("explicit", "implicit_splitk", "masked", "masked_splitk")
 
 @pytest.mark.parametrize("algo", EDGE_ALGOS)
 @pytest.mark.parametrize("case", ["empty", "one_voxel", "isolated", "odd_channels", "kernel5",
-                                  "dilation2", "no_bias", "batch2"])
+                                  "dilation2", "no_bias", "batch2", "channels48x32"])
 def test_edge_cases(case, algo, device):
     ci, co, kernel, dilation, bias, batch, shape, num = 5, 4, 3, 1, True, 1, (8, 8, 8), 120
     if case == "empty":
@@ -185,6 +185,8 @@ def test_edge_cases(case, algo, device):
         bias = False
     elif case == "batch2":
         batch = 2
+    elif case == "channels48x32":  # K a multiple of BLOCK_K (dgrad) and not (fwd: 48 of 64)
+        ci, co = 48, 32
     if case == "isolated":  # every voxel 2 apart: only the centre offset ever hits
         g = torch.arange(0, 8, 2)
         xyz = torch.stack(torch.meshgrid(g, g, g, indexing="ij"), -1).reshape(-1, 3)
@@ -207,6 +209,28 @@ def test_edge_cases(case, algo, device):
         assert got[2].abs().max() == 0  # no voxels, no weight gradient
         return
     check_all(got, ref, 2e-5, f"{case}/{algo}")
+
+
+@pytest.mark.parametrize("config", [(16, 16, 16, 1), (32, 32, 64, 3), (64, 16, 32, 2),
+                                    (16, 64, 128, 1)])
+@pytest.mark.parametrize("algo", ["implicit_splitk", "masked_splitk"])
+def test_forced_configs(config, algo, device, monkeypatch):
+    """Block shapes that put K-chunks inside one offset (K % BLOCK_K == 0) or across offsets,
+    with and without split-K, every part: all equal the gather reference."""
+    import importlib
+
+    from flexplan.kernel_configs import KernelConfig
+
+    ops_module = importlib.import_module("flexplan.ops.sparse_conv")
+    monkeypatch.setattr(ops_module, "select_config", lambda family, problem: KernelConfig(*config))
+    coords, plan = submanifold_case(110, seed=config[2] + config[3])
+    feats, weight, bias = make_inputs(coords.shape[0], 32, 16, (3, 3, 3), torch.float32, device, 8)
+    grad_out = torch.randn(coords.shape[0], 16, generator=torch.Generator().manual_seed(9))
+    got = run_and_grads(feats, plan.to(device), weight, bias, algo, False, grad_out.to(device))
+    nmap = plan.fwd.neighbor_map
+    ref = reference_and_grads(lambda f, w, b: gather_conv(f, nmap, w.reshape(16, 27, 32), b),
+                              feats, weight, bias, grad_out)
+    check_all(got, ref, 2e-5, f"{config}/{algo}")
 
 
 # ------------------------------------------------------------------ errors

@@ -1,8 +1,10 @@
 """The kernel configs the AOT build must compile: every config dispatch can return.
 
-Dispatch returns, per bucket, the shipped table's config or the heuristic default for the
-bucket's representative problem; so the set is the shipped tables' configs plus the heuristic
-over the buckets of the problems to cover. (A user's own tuned table may name others: those
+Dispatch returns the shipped table's config of the call's bucket, or the heuristic default;
+so the set is the shipped tables' configs plus the heuristic over the representatives of the
+buckets to cover. The heuristic's compiled parameters (blocks, warps, stages, split or not)
+depend only on the bucket; the split count, a grid size, may differ within it, which the
+compiled kernel does not care about. (A user's own tuned table may name other configs: those
 run JIT-compiled.)
 """
 from __future__ import annotations

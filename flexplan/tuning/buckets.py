@@ -2,9 +2,9 @@
 
 Exact: part, algorithm, dtype, kernel volume. Rounded up to a power of two: the GEMM rows N and
 the channels Ci, Co (a config that is good for 48 channels is good for 64, and tables stay
-small). Both tuned and heuristic configs are chosen for the bucket's representative problem,
-so the config of a call is a function of its bucket: cheap to memoize, and the AOT build can
-enumerate every config dispatch may return.
+small). A bucket's representative problem is its largest one: run-time tuning measures it
+and the AOT build enumerates the heuristic over representatives (the heuristic's block sizes,
+warps and stages depend only on the bucket; its split count, a grid size, on exact sizes).
 """
 from __future__ import annotations
 

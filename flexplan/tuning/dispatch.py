@@ -6,7 +6,8 @@ FLEXPLAN_TUNE: "off" (default): never benchmark at run time.
                              until the result lands (timings share the GPU with the caller).
                "ondemand":   tune a missing bucket in the call that first needs it (one-off
                              pause of seconds, exact timings).
-Tables are read once per device and process; a lookup is a bucket computation plus a dict get.
+Tables are read once per device and process; a lookup is a bucket computation plus a dict get
+(plus the heuristic's few arithmetic steps on a miss).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ TUNE_MODES = ("off", "background", "ondemand")
 _forced = threading.local()
 _lock = threading.RLock()
 _tables: dict = {}   # device index -> {Bucket: KernelConfig}, this GPU's merged tables
-_memo: dict = {}     # (device index, Bucket) -> KernelConfig
+_memo: dict = {}     # (device index, Bucket) -> KernelConfig, or _HEURISTIC
+_HEURISTIC = object()
 _warned: set = set()  # one warning per unusable table file
 
 
@@ -50,18 +52,18 @@ def select_config(family: str, problem: Problem) -> KernelConfig:
     bucket = Bucket.of(problem)
     config = _memo.get((index, bucket))
     if config is None:
-        config = _resolve(index, bucket, family)
-    return config
+        config = _resolve(index, bucket)
+    # A miss runs the heuristic on the call's own problem (a few microseconds): its block
+    # sizes depend only on the bucket, its split count on the exact sizes.
+    return heuristic_config(family, problem) if config is _HEURISTIC else config
 
 
-def _resolve(index, bucket: Bucket, family: str) -> KernelConfig:
+def _resolve(index, bucket: Bucket):
     with _lock:
         config = _table_for(index).get(bucket)
-        if config is None:
-            config = heuristic_config(family, bucket.representative())
-            if index is not None:
-                config = _tune_missing(index, bucket) or config
-        _memo[(index, bucket)] = config
+        if config is None and index is not None:
+            config = _tune_missing(index, bucket)
+        _memo[(index, bucket)] = config = config or _HEURISTIC
     return config
 
 

@@ -35,12 +35,16 @@ REP_KERNEL_SIZES = (3, 5)
 
 KERNEL_PACKAGE = "flexplan.kernels_src"
 HASH_INSERT, HASH_SUBM_NMAP = "hash_insert", "submanifold_neighbor_map"
+SEGMENT_KERNELS = ("gray_rank", "block_union", "compact_rows", "column_count", "column_pairs")
+PLAN_HASH = "plan_hash"
 # Kernels: short name -> "module:attribute" in KERNEL_PACKAGE.
 KERNELS = {
     GATHER_GEMM: "conv_gather_gemm:conv_gather_gemm_kernel",
     WGRAD: "conv_wgrad:conv_wgrad_kernel",
     HASH_INSERT: "hashmap:hash_insert_kernel",
     HASH_SUBM_NMAP: "hashmap:submanifold_neighbor_map_kernel",
+    **{name: f"plan_segments:{name}_kernel" for name in SEGMENT_KERNELS},
+    PLAN_HASH: "plan_hash:plan_hash_kernel",
 }
 
 
@@ -147,7 +151,7 @@ def gather_gemm_variants(problem: Problem, cfg: KernelConfig) -> Iterator[Varian
     biases = (True, False) if problem.part == "fwd" and cfg.splitk == 1 else (False,)
     for reverse, bias in itertools.product(reverses, biases):
         yield make_variant(GATHER_GEMM, values, dict(
-            cfg.launch_kwargs(), MASKED=masked, REVERSE_V=reverse, HAS_BIAS=bias,
+            cfg.launch_kwargs(), MASKED=masked, REVERSE_V=reverse, FLAT_K=k % cfg.block_k != 0, HAS_BIAS=bias,
             ALLOW_TF32=problem.dtype == "tf32"))
 
 
@@ -176,6 +180,35 @@ def planner_variants() -> Iterator[Variant]:
                 KX=k, KY=k, KZ=k, DX=1, DY=1, DZ=1, KEY_64=key_64, BLOCK=_LOOKUP_BLOCK))
 
 
+def segment_variants() -> Iterator[Variant]:
+    """The launches of flexplan.planner.segments_triton (Gray-code order, per-block offsets,
+    grad-weight pairs) and of the plan cache's coordinate hash (flexplan.cache.key)."""
+    import triton
+
+    from ..cache.key import _TRITON_BLOCK
+    from ..planner import segments_triton as seg
+    from ..planner.segments import _WORD_BITS
+
+    i8, i32, i64 = ("tensor", "int8"), ("tensor", "int32"), ("tensor", "int64")
+    for m, k in itertools.product(REP_ROWS, REP_KERNEL_SIZES):
+        v = k ** 3
+        vp = triton.next_power_of_2(v)
+        yield make_variant("gray_rank", dict(nmap=i32, ranks=i64, n=m), dict(
+            V=v, NUM_WORDS=-(-v // _WORD_BITS), BLOCK=seg._RANK_BLOCK))
+        for block in PLAN_BLOCK_SIZES:
+            yield make_variant("block_union", dict(nmap=i32, order=i64, union=i8, n=m), dict(
+                V=v, VP=vp, B=block, GROUP=max(1, seg._ROWS_PER_PROGRAM // block)))
+            yield make_variant("compact_rows", dict(flags=i8, starts=i32, out=i32, rows_total=-(-m // block)),
+                               dict(V=v, VP=vp, BLOCK=seg._COMPACT_BLOCK))
+        n_blocks = -(-m // seg._PAIRS_BLOCK)
+        yield make_variant("column_count", dict(nmap_t=i32, counts=i32, n=m, n_blocks=n_blocks),
+                           dict(BLOCK=seg._PAIRS_BLOCK))
+        yield make_variant("column_pairs", dict(nmap_t=i32, starts=i64, in_rows=i32, out_rows=i32, n=m,
+                                                n_blocks=n_blocks), dict(BLOCK=seg._PAIRS_BLOCK))
+    for m in REP_ROWS:
+        yield make_variant(PLAN_HASH, dict(words_ptr=i64, partial_ptr=i64, n_words=m), dict(BLOCK=_TRITON_BLOCK))
+
+
 _VARIANTS_OF = {GATHER_GEMM: gather_gemm_variants, WGRAD: wgrad_variants}
 
 
@@ -184,7 +217,7 @@ def enumerate_variants(kernel_filter: str | None = None,
     """Every variant to build, deduplicated, in a stable order; kernel_filter keeps the kernels
     whose short name contains it."""
     seen: dict[Variant, None] = {}
-    for variant in planner_variants():
+    for variant in itertools.chain(planner_variants(), segment_variants()):
         if not kernel_filter or kernel_filter in variant.kernel:
             seen.setdefault(variant, None)
     sources = config_sources()

@@ -120,7 +120,7 @@ def candidate_configs(problem: Problem) -> list[KernelConfig]:
             if bn > _pow2_at_least(n):
                 continue
             for bk in axes["block_k"]:
-                if bk > 4 * _pow2_at_least(k):  # larger chunks span offsets (FLAT_K)
+                if bk > _pow2_at_least(k):
                     continue
                 for s in axes["splitk"]:
                     if s > 1 and not (problem.splitk_allowed and _workspace_ok(problem, s)):
@@ -165,8 +165,8 @@ def _splitk_for(problem: Problem, tiles: int, k_iters: int, programs_per_sm: int
 def heuristic_config(family: str, problem: Problem) -> KernelConfig:
     """A reasonable config without tuning (the tuned tables, where present, override it).
 
-    From an H100 sweep (scripts/sweep_submconv_configs.py, 2026-11-22): 128-row tiles, 256
-    output channels per tile from N = 256 up, BLOCK_K 64 for 16-bit and 32 for fp32 (TF32);
+    From an H100 sweep (scripts/sweep_submconv_configs.py, 2026-11-22): 128-row tiles (64 for
+    <= 32 output channels), 256 output channels per tile from N = 256 up, BLOCK_K 64 for 16-bit and 32 for fp32 (TF32);
     grad-weight wants many programs (~16 per SM, split over pairs) and long pair chunks when
     channels are few.
     """
@@ -180,7 +180,7 @@ def heuristic_config(family: str, problem: Problem) -> KernelConfig:
             wide = problem.element_bytes <= 2
             bn = 256 if n >= 256 else min(128, _pow2_at_least(n))
             bk = min(64 if wide or bn == 256 else 32, _pow2_at_least(k))
-            bm = min(128, _pow2_at_least(m))
+            bm = min(64 if bn <= 32 else 128, _pow2_at_least(m))
             warps = 8 if bn == 256 or (wide and bn == 128) else 4
             stages = 3 if bn == 256 else 4
         tiles = -(-m // bm) * -(-n // bn)

@@ -8,10 +8,6 @@ Constexpr switches (each a small, enumerable set, so the AOT build can list them
   MASKED:    rows are taken in the plan's Gray-code order and each block of rows only visits the
              offsets its rows have (valid_kernel / valid_kernel_seg for BLOCK_M); else all V.
   REVERSE_V: map column v pairs with weight offset V - 1 - v (submanifold grad-input).
-  FLAT_K:    reduce over the flattened (offset, channel) axis, so one BLOCK_K chunk may span
-             several offsets (set when K % BLOCK_K != 0: no zero padding per offset for K = 3,
-             17 or 32 with BLOCK_K = 64); else each chunk lies within one offset and needs one
-             neighbour index per row instead of one per element.
   SPLIT:     grid axis 1 (of size S) splits the reduction; each split writes its fp32 partial
              sum to out[split] of an [S, M, N] workspace that the caller reduces (and adds bias
              to). The split count comes from the grid, so it costs no compiled variant.
@@ -33,8 +29,8 @@ def conv_gather_gemm_kernel(
     out_ptr,
     M, K, N, V,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    MASKED: tl.constexpr, REVERSE_V: tl.constexpr, FLAT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ALLOW_TF32: tl.constexpr,
+    MASKED: tl.constexpr, REVERSE_V: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ALLOW_TF32: tl.constexpr,
 ):
     pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -56,13 +52,9 @@ def conv_gather_gemm_kernel(
     n_mask = offs_n < N
     arange_k = tl.arange(0, BLOCK_K)
 
-    # This split's share of the reduction iterations: (offset, K-chunk) pairs, or chunks of the
-    # flattened (offset, channel) axis with FLAT_K.
-    if FLAT_K:
-        total = tl.cdiv(num_v * K, BLOCK_K)
-    else:
-        num_kc = tl.cdiv(K, BLOCK_K)
-        total = num_v * num_kc
+    # This split's share of the (offset, K-chunk) iterations.
+    num_kc = tl.cdiv(K, BLOCK_K)
+    total = num_v * num_kc
     splits = tl.num_programs(1)
     it_lo = total * pid_k // splits
     it_hi = total * (pid_k + 1) // splits
@@ -72,36 +64,22 @@ def conv_gather_gemm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for it in range(it_lo, it_hi):
-        if FLAT_K:  # column kk of the chunk: offset j = kk // K, channel kk % K
-            kk = it * BLOCK_K + arange_k
-            j = kk // K
-            channel = kk - j * K
-            k_mask = j < num_v
-            if MASKED:
-                v = tl.load(valid_kernel_ptr + seg_start + j, mask=k_mask, other=0)
-            else:
-                v = j
-            nbr = tl.load(map_ptr + rows[:, None] * V + v[None, :],
-                          mask=m_mask[:, None] & k_mask[None, :], other=-1)     # [BM, BK]
-            a_ptrs = src_ptr + nbr.to(tl.int64) * K + channel[None, :]
-            a_mask = nbr >= 0
-        else:  # the whole chunk lies in one offset: one neighbour per row
-            j = it // num_kc
-            channel = (it - j * num_kc) * BLOCK_K + arange_k
-            k_mask = channel < K
-            if MASKED:
-                v = tl.load(valid_kernel_ptr + seg_start + j)
-            else:
-                v = j
-            nbr = tl.load(map_ptr + rows * V + v, mask=m_mask, other=-1)       # [BM]
-            a_ptrs = src_ptr + nbr.to(tl.int64)[:, None] * K + channel[None, :]
-            a_mask = (nbr >= 0)[:, None] & k_mask[None, :]
-        if REVERSE_V:
-            w_col = (V - 1 - v) * K + channel
+        j = it // num_kc
+        kc = it - j * num_kc
+        if MASKED:
+            v = tl.load(valid_kernel_ptr + seg_start + j)
         else:
-            w_col = v * K + channel
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        b = tl.load(weight_ptr + offs_n[None, :] * V * K + w_col[:, None],
+            v = j
+        nbr = tl.load(map_ptr + rows * V + v, mask=m_mask, other=-1)
+        if REVERSE_V:
+            w_off = V - 1 - v
+        else:
+            w_off = v
+        offs_k = kc * BLOCK_K + arange_k
+        k_mask = offs_k < K
+        a = tl.load(src_ptr + nbr.to(tl.int64)[:, None] * K + offs_k[None, :],
+                    mask=(nbr >= 0)[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(weight_ptr + (offs_n[None, :] * V + w_off) * K + offs_k[:, None],
                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = dot_acc(a, b, acc, ALLOW_TF32)
 

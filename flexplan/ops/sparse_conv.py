@@ -87,8 +87,7 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
     launch(conv_gather_gemm_kernel, grid,
            src, w_nvk, bias if has_bias else w_nvk, nmap, order, valid_kernel, valid_kernel_seg,
            dest, m, k, n, v,
-           MASKED=masked, REVERSE_V=reverse, FLAT_K=k % cfg.block_k != 0, HAS_BIAS=has_bias,
-           ALLOW_TF32=allow_tf32,
+           MASKED=masked, REVERSE_V=reverse, HAS_BIAS=has_bias, ALLOW_TF32=allow_tf32,
            **cfg.launch_kwargs())
     if split:
         total = dest.sum(0)

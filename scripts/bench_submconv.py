@@ -223,10 +223,11 @@ def write_markdown(results, rates, sweep, header, quiet=False):
              f"Dense torch.mm 8192^3: fp16 {rates['fp16']:.0f} TFLOP/s, tf32 {rates['tf32']:.0f} TFLOP/s.",
              "Times: median ms (triton.testing.do_bench); speedup = spconv time / flexplan time; "
              "TF/s = effective 2*pairs*Ci*Co/time (x3 for fwd+bwd); mem = peak extra MiB of fwd+bwd; "
-             "err = fwd max|err|/max|ref| vs float64.", "",
+             "err = fwd max|err|/max|ref| vs float64; sp~ours = the same measure of spconv's output "
+             "against ours.", "",
              "| R | C | dtype | N | fwd ms | sp fwd ms | x fwd | fwd+bwd ms | sp fwd+bwd ms | x fwd+bwd "
-             "| TF/s fwd | TF/s fwd+bwd | % dense fwd | mem MiB | sp mem MiB | err | algo fwd/dgrad/wgrad |",
-             "|" + "---|" * 17]
+             "| TF/s fwd | TF/s fwd+bwd | % dense fwd | mem MiB | sp mem MiB | err | sp~ours | algo fwd/dgrad/wgrad |",
+             "|" + "---|" * 18]
     for row in results:
         f = lambda k, fmt=".3f": format(row[k], fmt) if k in row else "-"  # noqa: E731
         x_fwd = f"{row['sp_fwd'] / row['fwd']:.2f}" if "sp_fwd" in row else "-"
@@ -236,7 +237,8 @@ def write_markdown(results, rates, sweep, header, quiet=False):
             f"| {row['R']} | {row['C']} | {row['dtype']} | {row['N']} | {f('fwd')} | {f('sp_fwd')} "
             f"| {x_fwd} | {f('fwdbwd')} | {f('sp_fwdbwd')} | {x_fb} | {row['tflops_fwd']:.0f} "
             f"| {row['tflops_fwdbwd']:.0f} | {100 * row['tflops_fwd'] / row['dense']:.0f}% "
-            f"| {f('mem', '.0f')} | {f('sp_mem', '.0f')} | {f('err', '.1e')} | {algos} |")
+            f"| {f('mem', '.0f')} | {f('sp_mem', '.0f')} | {f('err', '.1e')} "
+            f"| {f('sp_err_vs_ours', '.1e')} | {algos} |")
     lines.append("")
     for dtype_name in DTYPES:
         rows = [r for r in results if r["dtype"] == dtype_name and "sp_fwd" in r]

@@ -34,6 +34,7 @@ REP_GRID_SIZES = (128, 100)
 REP_KERNEL_SIZES = (3, 5)
 
 KERNEL_PACKAGE = "flexplan.kernels_src"
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
 HASH_INSERT, HASH_SUBM_NMAP = "hash_insert", "submanifold_neighbor_map"
 SEGMENT_KERNELS = ("gray_rank", "block_union", "compact_rows", "column_count", "column_pairs")
 PLAN_HASH = "plan_hash"
@@ -71,6 +72,10 @@ def make_variant(kernel: str, values: dict, constexprs: dict) -> Variant:
     registry does not know (the kernel changed) is a clear error, not a silent mismatch."""
     probe = Variant(kernel, (), ())
     fn = getattr(importlib.import_module(probe.module), probe.attr)
+    unknown = set(constexprs) - set(fn.arg_names) - LAUNCH_OPTIONS
+    if unknown:
+        raise KeyError(f"flexplan/aot/variants.py passes {sorted(unknown)} to {probe.attr}, which has no "
+                       "such parameters; update its argument list")
     args = []
     for name in fn.arg_names:
         if name in constexprs:
@@ -151,7 +156,7 @@ def gather_gemm_variants(problem: Problem, cfg: KernelConfig) -> Iterator[Varian
     biases = (True, False) if problem.part == "fwd" and cfg.splitk == 1 else (False,)
     for reverse, bias in itertools.product(reverses, biases):
         yield make_variant(GATHER_GEMM, values, dict(
-            cfg.launch_kwargs(), MASKED=masked, REVERSE_V=reverse, FLAT_K=k % cfg.block_k != 0, HAS_BIAS=bias,
+            cfg.launch_kwargs(), MASKED=masked, REVERSE_V=reverse, HAS_BIAS=bias,
             ALLOW_TF32=problem.dtype == "tf32"))
 
 

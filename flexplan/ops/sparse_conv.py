@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from ..kernel_configs import ALGORITHMS, GATHER_GEMM, WGRAD, Problem, choose_algo
+from ..kernel_configs import ALGORITHMS, GATHER_GEMM, WGRAD, KernelConfig, Problem, choose_algo
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, GatherMap
 from ..tuning import select_config
@@ -48,6 +48,20 @@ def _block_for(gmap: GatherMap, block_m: int) -> int:
     if not sizes:
         raise ValueError("plan has no masked schedule (valid_kernel); use algo='implicit'")
     return min(sizes, key=lambda b: (abs(b - block_m), b))
+
+
+# ---------------------------------------------------------------- launch constexprs
+# The one place the constexprs of each launch are spelled: the ops and the AOT build
+# (which precompiles exactly these variants) both take them from here.
+
+def gather_gemm_constexprs(cfg: KernelConfig, masked: bool, reverse: bool, has_bias: bool,
+                           allow_tf32: bool) -> dict:
+    return dict(cfg.launch_kwargs(), MASKED=masked, REVERSE_V=reverse, HAS_BIAS=has_bias,
+                ALLOW_TF32=allow_tf32)
+
+
+def wgrad_constexprs(cfg: KernelConfig, allow_tf32: bool) -> dict:
+    return dict(cfg.launch_kwargs(), ALLOW_TF32=allow_tf32)
 
 
 # ---------------------------------------------------------------- gather-GEMM (fwd, dgrad)
@@ -86,9 +100,7 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
     grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n), cfg.splitk)
     launch(conv_gather_gemm_kernel, grid,
            src, w_nvk, bias if has_bias else w_nvk, nmap, order, valid_kernel, valid_kernel_seg,
-           dest, m, k, n, v,
-           MASKED=masked, REVERSE_V=reverse, HAS_BIAS=has_bias, ALLOW_TF32=allow_tf32,
-           **cfg.launch_kwargs())
+           dest, m, k, n, v, **gather_gemm_constexprs(cfg, masked, reverse, has_bias, allow_tf32))
     if split:
         total = dest.sum(0)
         if bias is not None:
@@ -130,7 +142,7 @@ def _wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: b
     grid = (_cdiv(co, cfg.block_m) * _cdiv(ci, cfg.block_n), v, cfg.splitk)
     launch(conv_wgrad_kernel, grid,
            grad_out, src, plan.valid_signal_o, plan.valid_signal_i, plan.valid_signal_seg, dest,
-           co, ci, v, ALLOW_TF32=allow_tf32, **cfg.launch_kwargs())
+           co, ci, v, **wgrad_constexprs(cfg, allow_tf32))
     return dest.sum(0).to(src.dtype) if cfg.splitk > 1 else dest
 
 

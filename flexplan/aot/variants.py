@@ -143,6 +143,8 @@ def _acc_dtype(dtype: str) -> str:
 
 def gather_gemm_variants(problem: Problem, cfg: KernelConfig) -> Iterator[Variant]:
     """The launches of ops.sparse_conv._gather_gemm for one problem and config."""
+    from ..ops.sparse_conv import gather_gemm_constexprs
+
     masked = problem.algo.startswith("masked")
     if masked and cfg.block_m not in PLAN_BLOCK_SIZES:
         return
@@ -155,18 +157,19 @@ def gather_gemm_variants(problem: Problem, cfg: KernelConfig) -> Iterator[Varian
     reverses = (True, False) if problem.part == "dgrad" else (False,)
     biases = (True, False) if problem.part == "fwd" and cfg.splitk == 1 else (False,)
     for reverse, bias in itertools.product(reverses, biases):
-        yield make_variant(GATHER_GEMM, values, dict(
-            cfg.launch_kwargs(), MASKED=masked, REVERSE_V=reverse, HAS_BIAS=bias,
-            ALLOW_TF32=problem.dtype == "tf32"))
+        yield make_variant(GATHER_GEMM, values, gather_gemm_constexprs(
+            cfg, masked, reverse, bias, problem.dtype == "tf32"))
 
 
 def wgrad_variants(problem: Problem, cfg: KernelConfig) -> Iterator[Variant]:
     """The launch of ops.sparse_conv._wgrad for one problem and config."""
+    from ..ops.sparse_conv import wgrad_constexprs
+
     feat, i32 = ("tensor", _torch_dtype(problem.dtype)), ("tensor", "int32")
     out = ("tensor", _acc_dtype(problem.dtype)) if cfg.splitk > 1 else feat
     values = dict(grad_out_ptr=feat, src_ptr=feat, pair_out_ptr=i32, pair_in_ptr=i32,
                   pair_seg_ptr=i32, out_ptr=out, CO=problem.co, CI=problem.ci, V=problem.v)
-    yield make_variant(WGRAD, values, dict(cfg.launch_kwargs(), ALLOW_TF32=problem.dtype == "tf32"))
+    yield make_variant(WGRAD, values, wgrad_constexprs(cfg, problem.dtype == "tf32"))
 
 
 def planner_variants() -> Iterator[Variant]:

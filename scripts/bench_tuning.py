@@ -58,12 +58,11 @@ def gather_gemm_splits(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, valid_
                        valid_kernel_seg_ptr, out_ptr, M, K, N, V,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT: tl.constexpr, MASKED: tl.constexpr, REVERSE_V: tl.constexpr,
-                       FLAT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ALLOW_TF32: tl.constexpr,
-                       SPLITS: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, ALLOW_TF32: tl.constexpr, SPLITS: tl.constexpr):
     conv_gather_gemm_kernel(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, valid_kernel_ptr,
                             valid_kernel_seg_ptr, out_ptr, M, K, N, V, BLOCK_M=BLOCK_M,
                             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT, MASKED=MASKED,
-                            REVERSE_V=REVERSE_V, FLAT_K=FLAT_K, HAS_BIAS=HAS_BIAS,
+                            REVERSE_V=REVERSE_V, HAS_BIAS=HAS_BIAS,
                             ALLOW_TF32=ALLOW_TF32)
 
 
@@ -120,12 +119,9 @@ def wrapper_launch(work, part, max_splits):
     return gather_gemm_splits, grid, args, consts, hook, dest
 
 
-def config_kwargs(c, problem) -> dict:
-    out = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=c.splitk > 1,
-               SPLITS=c.splitk)
-    if problem.family == GATHER_GEMM:  # K-chunks over (offset, channel) when K % BLOCK_K != 0
-        out["FLAT_K"] = problem.gemm_mkn[1] % c.block_k != 0
-    return out
+def config_kwargs(c) -> dict:
+    return dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=c.splitk > 1,
+                SPLITS=c.splitk)
 
 
 def autotuned_runner(work, part, configs):
@@ -133,8 +129,7 @@ def autotuned_runner(work, part, configs):
     kernel, grid, args, consts, hook, dest = wrapper_launch(work, part,
                                                             max(c.splitk for c in configs))
     key = ["CO", "CI", "V"] if part == "wgrad" else ["M", "K", "N"]
-    problem = part_case(work, part).problem
-    tconfigs = [triton.Config(config_kwargs(c, problem), num_warps=c.num_warps, num_stages=c.num_stages,
+    tconfigs = [triton.Config(config_kwargs(c), num_warps=c.num_warps, num_stages=c.num_stages,
                               pre_hook=hook) for c in configs]
     tuner = triton.autotune(configs=tconfigs, key=key)(kernel)
     dtype, _ = torch_dtype(work.dtype)
@@ -154,7 +149,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--budget-s", type=float, default=200, help="tuning + comparison time")
     p.add_argument("--autotune-s", type=float, default=90, help="time for the autotune part")
-    p.add_argument("--max-trials", type=int, default=24)
+    p.add_argument("--max-trials", type=int, default=14)
     p.add_argument("--smoke", action="store_true", help="tiny CPU run through the interpreter")
     args = p.parse_args()
     t_start = time.monotonic()

@@ -1,7 +1,7 @@
 """The search: which config of a problem's candidate space runs fastest.
 
-Coordinate descent from the heuristic default over groups of config fields (tile shape, warps,
-K block, pipeline stages, split-K): each step measures every candidate that differs from the
+Coordinate descent from the heuristic default over groups of config fields (split-K, K block,
+warps, pipeline stages, tile shape): each step measures every candidate that differs from the
 best so far only in one group, and keeps the fastest. Few measurements (tens, not the hundreds
 of the full space) and, since neighbouring problems walk through the same configs, few
 compilations. `measure` is injected, so the search is tested with a fake timer.
@@ -15,7 +15,9 @@ from typing import Callable
 
 from ..kernel_configs import KernelConfig, Problem, candidate_configs, heuristic_config
 
-AXIS_GROUPS = (("block_m", "block_n"), ("num_warps",), ("block_k",), ("num_stages",), ("splitk",))
+# Cheapest first: the split count is a grid size (no new compilation); the tile shape, the
+# largest group, last.
+AXIS_GROUPS = (("splitk",), ("block_k",), ("num_warps",), ("num_stages",), ("block_m", "block_n"))
 
 
 @dataclass

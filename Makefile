@@ -34,3 +34,9 @@ clean:
 .PHONY: aot
 aot: $(STAMP)
 	$(PY) -m aot $(AOT_ARGS)
+
+# On a GPU: measure the conv kernel configs and save this GPU's tuned table (user cache dir);
+# e.g. make tune TUNE_ARGS="--shells 256:64 --dtypes float16".
+.PHONY: tune
+tune: $(STAMP)
+	$(PY) -m flexplan tune $(TUNE_ARGS)

@@ -23,9 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import today
+
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = ("float16", "bfloat16", "float32", "tf32", "float64")
-DATE = "2026-11-22"
+DATE = today()
 
 
 def child(args) -> None:

@@ -28,7 +28,9 @@ from flexplan.cache.key import plan_key
 from flexplan.cache.policy import Policy
 from flexplan.workloads import sphere_shell
 
-DATE = "2026-11-22"  # the project's recorded date for results
+from bench_common import today
+
+DATE = today()
 try:  # the GPU hash-table planner, where present; else the torch planner on the device
     import flexplan.planner.hashmap  # noqa: F401
 

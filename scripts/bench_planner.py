@@ -27,8 +27,10 @@ from flexplan.planner.segments import gather_map, valid_signal
 from flexplan.sparse_tensor import check_coords
 from flexplan.workloads import sphere_shell
 
+from bench_common import today
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_planner.md")
-DATE = "2026-11-22"
+DATE = today()
 GEOMETRY = ConvGeometry.make(3)
 
 

@@ -27,8 +27,10 @@ from flexplan.ops.sparse_conv import _gather_gemm, _resolve_algo, _wgrad, _dtype
 from flexplan.plan import MISSING
 from flexplan.workloads import sphere_shell
 
+from bench_common import today
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_submconv.md")
-DATE = "2026-11-22"
+DATE = today()
 CASES_WIDE = [(16, 1024), (32, 1024), (64, 1024), (128, 512), (256, 256)]
 CASES_LARGE = [(r, c) for r in (256, 512, 1024) for c in (32, 64, 128)]
 DTYPES = {"fp16": (torch.float16, False), "tf32": (torch.float32, True)}

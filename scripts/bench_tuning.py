@@ -42,9 +42,11 @@ from flexplan.tuning.device import DeviceKey, device_key  # noqa: E402
 from flexplan.tuning.table import SHIPPED_DIR, TuningTable, read_table, write_table  # noqa: E402
 from flexplan.tuning.tuner import do_bench_median, tune_cases  # noqa: E402
 
+from bench_common import today  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "bench_tuning.md")
-DATE = "2026-11-22"
+DATE = today()
 PARTS = ("fwd", "dgrad", "wgrad")
 # (R, C, dtype, part) compared with @triton.autotune.
 AUTOTUNE_PROBLEMS = ((256, 64, "float16", "fwd"), (128, 512, "tf32", "dgrad"),

@@ -34,8 +34,10 @@ from sparse_unet import SparseUNet  # noqa: E402
 import flexplan.nn.spconv as sp_fx  # noqa: E402
 from flexplan.workloads import sphere_shell  # noqa: E402
 
+from bench_common import today
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_unet_spconv.md")
-DATE = "2026-11-22"
+DATE = today()
 IN_CH, OUT_CH = 4, 4
 
 

@@ -1,0 +1,23 @@
+"""Facts every benchmark records next to its numbers: the date and the GPU's measured state.
+
+Scripts in this folder run as `python scripts/NAME.py`, so they import this module directly.
+"""
+from __future__ import annotations
+
+import datetime
+
+
+def today() -> str:
+    """The run's date (UTC), so a results file says when its numbers were measured."""
+    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+
+
+def dense_fp16_tflops(n: int = 8192) -> float:
+    """Measured dense fp16 torch.mm rate: a shared or throttled GPU shows here first."""
+    import torch
+    from triton.testing import do_bench
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    ms = do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
+    return 2 * n ** 3 / ms / 1e9

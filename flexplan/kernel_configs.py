@@ -25,6 +25,12 @@ DTYPES = ("float16", "bfloat16", "float32", "tf32", "float64")
 
 # Split-K partial sums live in an fp32 workspace; cap it so split-K never costs much memory.
 SPLITK_WORKSPACE_BYTES = 256 << 20
+# The explicit algorithm gathers [rows, V * K] blocks (im2col) of at most this size at a time.
+EXPLICIT_WORKSPACE_BYTES = 512 << 20
+# From this many reduced and output channels on, 16-bit forward / grad-input run faster as
+# im2col + the vendor GEMM than as a gather-GEMM kernel (H100 sweeps: 1.3-1.7x at C = 1024,
+# slower at C = 512): the GEMM dominates and the gather costs little next to it.
+EXPLICIT_MIN_CHANNELS = 768
 
 
 @dataclass(frozen=True)
@@ -200,10 +206,13 @@ def heuristic_config(family: str, problem: Problem) -> KernelConfig:
 
 
 def choose_algo(part: str, n: int, ci: int, co: int, v: int, dtype: str) -> str:
-    """What algo="auto" runs: masked implicit GEMM, except plain implicit when the reduced
-    channels are few (<= 64: the masked schedule's extra indirection then costs more than the
-    skipped offsets save, H100 sweep); split over K when the output tiles alone cannot fill the
-    GPU (few rows, or grad-weight's small [Co, Ci] per offset)."""
+    """What algo="auto" runs. 16-bit forward / grad-input with wide channels on both sides:
+    explicit (im2col + vendor GEMM). Otherwise masked implicit GEMM, except plain implicit when
+    the reduced channels are few (<= 64: the masked schedule's extra indirection then costs more
+    than the skipped offsets save, H100 sweep); split over K when the output tiles alone cannot
+    fill the GPU (few rows, or grad-weight's small [Co, Ci] per offset)."""
+    if part != "wgrad" and dtype in ("float16", "bfloat16") and min(ci, co) >= EXPLICIT_MIN_CHANNELS:
+        return "explicit"
     reduced = ci if part == "fwd" else co
     base = "implicit" if part != "wgrad" and reduced <= 64 else "masked"
     probe = Problem(n, ci, co, v, dtype, base + "_splitk", part)

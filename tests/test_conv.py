@@ -233,6 +233,40 @@ def test_forced_configs(config, algo, device, monkeypatch):
     check_all(got, ref, 2e-5, f"{config}/{algo}")
 
 
+@pytest.mark.parametrize("dtype_name", ["float64", "float16"])
+def test_explicit_in_chunks(dtype_name, device, monkeypatch):
+    """The explicit algorithm with a workspace of a few rows: chunked im2col, every part
+    (grad-weight sums its chunks) equals the gather reference."""
+    import importlib
+
+    ops_module = importlib.import_module("flexplan.ops.sparse_conv")
+    dtype, _, tol = DTYPES[dtype_name]
+    ci, co = 6, 5
+    monkeypatch.setattr(ops_module, "EXPLICIT_WORKSPACE_BYTES", 7 * 27 * ci * dtype.itemsize)
+    coords, plan = submanifold_case(100, seed=21)
+    feats, weight, bias = make_inputs(coords.shape[0], ci, co, (3, 3, 3), dtype, device, 22)
+    grad_out = torch.randn(coords.shape[0], co, generator=torch.Generator().manual_seed(23))
+    got = run_and_grads(feats, plan.to(device), weight, bias, "explicit", False,
+                        grad_out.to(dtype).to(device))
+    nmap = plan.fwd.neighbor_map
+    ref = reference_and_grads(lambda f, w, b: gather_conv(f, nmap, w.reshape(co, 27, ci), b),
+                              feats, weight, bias, grad_out.to(dtype))
+    check_all(got, ref, tol, f"explicit in chunks/{dtype_name}")
+
+
+def test_auto_picks_explicit_for_wide_16bit_only():
+    from flexplan.kernel_configs import EXPLICIT_MIN_CHANNELS, choose_algo
+
+    wide = EXPLICIT_MIN_CHANNELS
+    for dtype in ("float16", "bfloat16"):
+        assert choose_algo("fwd", 5000, wide, wide, 27, dtype) == "explicit"
+        assert choose_algo("dgrad", 5000, wide, wide, 27, dtype) == "explicit"
+        assert choose_algo("wgrad", 5000 * 27, wide, wide, 27, dtype) != "explicit"
+        assert choose_algo("fwd", 5000, wide // 2, wide, 27, dtype) != "explicit"
+    for dtype in ("float32", "tf32", "float64"):  # explicit's matmul follows torch's TF32 flag
+        assert choose_algo("fwd", 5000, wide, wide, 27, dtype) != "explicit"
+
+
 # ------------------------------------------------------------------ errors
 
 def test_clear_errors():

@@ -3,12 +3,12 @@
     out[o] = bias + sum_v W[:, v, :] @ feats[plan.fwd.neighbor_map[o, v]]
 
 Algorithms (forward and backward), selectable by name:
-  explicit         torch gather (im2col) + one matmul: the memory-hungry baseline
+  explicit         torch gather (im2col, in chunks of bounded size) + the vendor matmul
   implicit         gather-GEMM kernel over all V offsets
   implicit_splitk  the same with the reduction split over a grid axis
   masked           gather-GEMM over the offsets each Gray-code-sorted row block has
   masked_splitk    masked, split over K
-  auto             masked or masked_splitk, per part (fwd / dgrad / wgrad) and shape
+  auto             one of the above per part (fwd / dgrad / wgrad) and shape (choose_algo)
 Grad-weight runs one kernel over the plan's per-offset pairs (split for the *_splitk
 algorithms); "explicit" uses torch for it.
 """
@@ -18,7 +18,8 @@ from dataclasses import replace
 
 import torch
 
-from ..kernel_configs import ALGORITHMS, GATHER_GEMM, WGRAD, KernelConfig, Problem, choose_algo
+from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, WGRAD, KernelConfig,
+                              Problem, choose_algo)
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, GatherMap
 from ..tuning import select_config
@@ -109,17 +110,29 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
     return out
 
 
+def _im2col_chunks(src, nmap):
+    """(first row, [rows, V * K] gathered block) over the map's rows, in chunks that keep the
+    block within EXPLICIT_WORKSPACE_BYTES; missing neighbours read a zero row."""
+    m, v = nmap.shape
+    padded = torch.cat([src, src.new_zeros((1, src.shape[1]))])  # index -1 reads the zero row
+    rows = max(1, EXPLICIT_WORKSPACE_BYTES // max(1, v * src.shape[1] * src.element_size()))
+    for start in range(0, m, rows):
+        block = nmap[start:start + rows].long()
+        yield start, padded[block].reshape(block.shape[0], -1)
+
+
 def _explicit_gather_gemm(src, weight, bias, nmap, reverse, part):
-    """Baseline: materialize the [M, V * K] gathered matrix, then one matmul."""
+    """Gathered [rows, V * K] blocks (im2col), each times the flattened weight on the vendor
+    GEMM: the baseline, and what auto picks for wide 16-bit channels (see choose_algo)."""
     co, v, ci = weight.shape
-    padded = torch.cat([src, src.new_zeros((1, src.shape[1]))])  # row -1 reads zeros
-    cols = padded[nmap.long()].reshape(nmap.shape[0], -1)        # [M, V * K]
     if part == "fwd":
         w = weight.reshape(co, v * ci).t()
     else:
         w = weight.flip(1) if reverse else weight                  # [Co, V, Ci]
         w = w.permute(1, 0, 2).reshape(v * co, ci)
-    out = cols @ w
+    out = src.new_empty((nmap.shape[0], w.shape[1]))
+    for start, cols in _im2col_chunks(src, nmap):
+        torch.mm(cols, w, out=out[start:start + cols.shape[0]])
     return out + bias if bias is not None else out
 
 
@@ -148,10 +161,13 @@ def _wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: b
 
 def _explicit_wgrad(grad_out, src, plan: ConvPlan, weight_shape):
     co, v, ci = weight_shape
-    nmap = plan.fwd.neighbor_map
-    padded = torch.cat([src, src.new_zeros((1, ci))])
-    cols = padded[nmap.long()].reshape(nmap.shape[0], v * ci)   # [N_out, V * Ci]
-    return (grad_out.t() @ cols).reshape(co, v, ci)
+    acc_dtype = torch.promote_types(src.dtype, torch.float32)
+    grad_w = src.new_zeros((co, v * ci))
+    for start, cols in _im2col_chunks(src, plan.fwd.neighbor_map):
+        part = grad_out[start:start + cols.shape[0]].t() @ cols      # [Co, V * Ci]
+        # One chunk is the answer; several sum in fp32 (fp64), not in a 16-bit dtype.
+        grad_w = part if start == 0 else grad_w.to(acc_dtype) + part
+    return grad_w.to(src.dtype).reshape(co, v, ci)
 
 
 # ---------------------------------------------------------------- autograd

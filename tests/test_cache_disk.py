@@ -207,6 +207,24 @@ def test_auto_policy_skips_disk_where_rebuilding_is_faster(tmp_path):
     assert fast_disk.stats()["disk_hits"] == 1
 
 
+def test_auto_policy_does_not_touch_the_disk_where_any_load_is_slower(tmp_path, monkeypatch):
+    coords = make_coords()
+    cache_at(tmp_path).get_or_build(coords, SHAPE, 2, GEOM)  # a file is there
+    cache = cache_at(tmp_path, mode="auto")
+    work = coords.shape[0] * GEOM.volume
+    cache.policy.record_build("cpu", work, 1e-6)  # builds here beat a load's fixed latency
+    assert cache.policy.build_beats_any_load("cpu", work)
+
+    def no_disk(*args, **kwargs):
+        raise AssertionError("the disk was read")
+
+    monkeypatch.setattr(cache.disk, "load", no_disk)
+    cache.get_or_build(coords, SHAPE, 2, GEOM)
+    assert cache.stats()["builds"] == 1 and cache.stats().get("disk_writes", 0) == 0
+    cache.policy.record_build("cpu", work, 10.0)  # slow builds: the disk is worth a look again
+    assert not cache.policy.build_beats_any_load("cpu", work)
+
+
 def test_save_and_load_plans_for_a_server(tmp_path):
     builder = cache_at(tmp_path / "cache")
     sets = [make_coords(seed=s) for s in range(3)]

@@ -235,7 +235,8 @@ class PlanCache:
         if plan is not None:
             return plan
         args = (key, coords, shape, batch_size, geometry)
-        if self.policy.mode == "never":
+        work = coords.shape[0] * geometry.volume
+        if self.policy.mode == "never" or self.policy.build_beats_any_load(coords.device.type, work):
             return self._build(*args, backend, store=False)
         plan, why = self._load(*args, locked=False)
         if plan is not None:

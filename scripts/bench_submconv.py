@@ -6,7 +6,7 @@ Effective TFLOP/s = 2 * pairs * Ci * Co / time (x3 for forward+backward), next t
 dense torch.mm rate of the same dtype. Accuracy: forward relative error vs float64 (max |err| /
 max |ref|). Writes scripts/results/bench_submconv.md.
 
-Usage: python scripts/bench_submconv.py [--quick] [--no-1024] [--algos]
+Usage: python scripts/bench_submconv.py [--quick] [--no-1024] [--cases R:C,...] [--algos [--sweep R:C,...]]
 """
 from __future__ import annotations
 
@@ -210,6 +210,10 @@ def algo_sweep(cases):
             except torch.OutOfMemoryError:
                 times.append(f"{algo} OOM")
                 torch.cuda.empty_cache()
+        for algo in ("explicit", "auto"):  # grad-weight alone: what auto should pick for it
+            wg = _resolve_algo(algo, "wgrad", plan.num_pairs, c, c, 27, "float16")
+            ms = bench(lambda: _wgrad(grad, feats, plan, (c, 27, c), wg, False), rep=30)
+            times.append(f"wgrad {algo} ({wg}) {ms:.3f}")
         line = f"R={r} C={c} fp16 fwd/fwd+bwd ms: " + ", ".join(times)
         print(line, flush=True)
         lines.append(line)
@@ -267,6 +271,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a few small cases")
     parser.add_argument("--no-1024", action="store_true")
     parser.add_argument("--algos", action="store_true", help="also sweep every algorithm")
+    parser.add_argument("--sweep", default="32:1024,256:64,512:32", help="R:C cases of --algos")
+    parser.add_argument("--cases", help="R:C,... instead of the issue's grid")
     parser.add_argument("--dtypes", default="fp16,tf32")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -279,10 +285,13 @@ def main(argv=None):
         sp_version = "not installed"
     header = [f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; Triton "
               f"{triton.__version__}; spconv {sp_version}; date {DATE}."]
-    print(header[0], flush=True)
     rates = {name: dense_rate(*DTYPES[name]) for name in DTYPES}
+    header[0] += f" Dense fp16 torch.mm {rates['fp16']:.0f} TFLOP/s (the GPU's state in this run)."
+    print(header[0], flush=True)
     cases = [(16, 1024), (64, 256), (128, 64)] if args.quick else CASES_WIDE + [
         rc for rc in CASES_LARGE if not (args.no_1024 and rc[0] == 1024)]
+    if args.cases:
+        cases = [tuple(map(int, rc.split(":"))) for rc in args.cases.split(",")]
     results = []
     start = time.time()
     for r, c in cases:
@@ -297,7 +306,7 @@ def main(argv=None):
         finally:
             coords = plan = None
             torch.cuda.empty_cache()
-    sweep = algo_sweep([(32, 1024), (256, 64), (512, 32)]) if args.algos else []
+    sweep = algo_sweep([tuple(map(int, rc.split(":"))) for rc in args.sweep.split(",")]) if args.algos else []
     print(f"total {time.time() - start:.0f} s")
     write_markdown(results, rates, sweep, header)
     return 0

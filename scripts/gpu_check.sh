@@ -21,7 +21,7 @@ for step in "${steps[@]}"; do
     tests)    python3 -m pytest -q -m gpu tests ;;
     planner)  python3 scripts/bench_planner.py ;;
     submconv) python3 scripts/bench_submconv.py ;;
-    cache)    python3 scripts/bench_cache.py ;;
+    cache)    python3 scripts/bench_cache.py --train-demo ;;
     aot)      python3 scripts/bench_aot.py ;;
     tuning)   python3 scripts/bench_tuning.py ;;
     unet)     python3 scripts/bench_unet_spconv.py ;;

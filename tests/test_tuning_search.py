@@ -1,6 +1,7 @@
 """The tuner: finds the fastest config under fake timers, measures through the ops' launch
 path with the config forced, refuses a config whose output differs; one tiny real run
 through Triton's interpreter."""
+import dataclasses
 import math
 import random
 import time
@@ -106,6 +107,12 @@ def test_config_with_a_different_output_is_not_kept():
     [tuned] = tuner.tune_cases([case], bench=bench, max_trials=1000, log=logs.append)
     assert tuned.result.best == heuristic_config(problem.family, problem)
     assert any("disagrees" in m for m in logs)
+
+
+def test_explicit_problems_are_not_tuned():
+    problem = dataclasses.replace(PROBLEMS[0], algo="explicit")
+    case, bench = _fake_case(problem, separable_cost(1))
+    assert tuner.tune_cases([case], bench=bench, log=lambda m: None) == []
 
 
 def test_deadline_stops_tuning():

@@ -128,8 +128,9 @@ def _explicit_gather_gemm(src, weight, bias, nmap, reverse, part):
     if part == "fwd":
         w = weight.reshape(co, v * ci).t()
     else:
-        w = weight.flip(1) if reverse else weight                  # [Co, V, Ci]
-        w = w.permute(1, 0, 2).reshape(v * co, ci)
+        # Reversed offsets: flip the small map's columns rather than the large weight.
+        nmap = nmap.flip(1) if reverse else nmap
+        w = weight.transpose(0, 1).reshape(v * co, ci)            # [V * Co, Ci], one copy
     out = src.new_empty((nmap.shape[0], w.shape[1]))
     for start, cols in _im2col_chunks(src, nmap):
         torch.mm(cols, w, out=out[start:start + cols.shape[0]])

@@ -6,6 +6,7 @@ frozen and its dictionaries are read-only views.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Mapping, Optional
@@ -45,6 +46,13 @@ class GatherMap:
     @property
     def num_rows(self) -> int:
         return self.neighbor_map.shape[0]
+
+    @functools.cached_property
+    def sorted_map_t(self) -> torch.Tensor:
+        """int32 [V, M]: entry (v, i) is neighbor_map[sorted_idx[i], v], the layout the gather
+        kernels read (one offset's neighbours of a block of sorted rows are contiguous).
+        Derived on first use and kept with the plan object, not written to plan files."""
+        return self.neighbor_map[self.sorted_idx.long()].t().contiguous()
 
     @property
     def block_sizes(self) -> tuple[int, ...]:

@@ -1,12 +1,15 @@
 """Gather-GEMM: out[m] = sum_v src[map[m, v]] @ W_v, the one kernel of forward and grad-input.
 
-One program computes a BLOCK_M x BLOCK_N tile of out ([M, N]); the reduction runs over
-(offset v, K-chunk) pairs, gathering the rows of src through the neighbour map on the fly
-(implicit GEMM: the [M, V*K] im2col matrix is never built).
+One program computes a BLOCK_M x BLOCK_N tile of out ([M, N]) for BLOCK_M consecutive rows of
+the plan's Gray-code order (order[i] is the output row); the reduction runs over (offset v,
+K-chunk) pairs, gathering the rows of src through the neighbour map on the fly (implicit GEMM:
+the [M, V*K] im2col matrix is never built). The map comes as GatherMap.sorted_map_t, [V, M] in
+that order: a block's neighbours of one offset are one contiguous load (H100: 5-38% faster
+than reading the [M, V] map row by row).
 
 Constexpr switches (each a small, enumerable set, so the AOT build can list them):
-  MASKED:    rows are taken in the plan's Gray-code order and each block of rows only visits the
-             offsets its rows have (valid_kernel / valid_kernel_seg for BLOCK_M); else all V.
+  MASKED:    each block of rows only visits the offsets its rows have (valid_kernel /
+             valid_kernel_seg for BLOCK_M); else all V.
   REVERSE_V: map column v pairs with weight offset V - 1 - v (submanifold grad-input).
   SPLIT:     grid axis 1 (of size S) splits the reduction; each split writes its fp32 partial
              sum to out[split] of an [S, M, N] workspace that the caller reduces (and adds bias
@@ -40,12 +43,11 @@ def conv_gather_gemm_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
+    rows = tl.load(order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     if MASKED:
-        rows = tl.load(order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
         seg_start = tl.load(valid_kernel_seg_ptr + pid_m)
         num_v = tl.load(valid_kernel_seg_ptr + pid_m + 1) - seg_start
     else:
-        rows = offs_m.to(tl.int64)
         seg_start = 0
         num_v = V
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,7 +72,7 @@ def conv_gather_gemm_kernel(
             v = tl.load(valid_kernel_ptr + seg_start + j)
         else:
             v = j
-        nbr = tl.load(map_ptr + rows * V + v, mask=m_mask, other=-1)
+        nbr = tl.load(map_ptr + v.to(tl.int64) * M + offs_m, mask=m_mask, other=-1)
         if REVERSE_V:
             w_off = V - 1 - v
         else:

@@ -254,6 +254,16 @@ def test_explicit_in_chunks(dtype_name, device, monkeypatch):
     check_all(got, ref, tol, f"explicit in chunks/{dtype_name}")
 
 
+def test_sorted_map_t_is_the_map_in_gray_order_transposed():
+    _, plan = submanifold_case(90, seed=31)
+    gmap = plan.fwd
+    nmap, order = gmap.neighbor_map, gmap.sorted_idx.long()
+    assert gmap.sorted_map_t.shape == (nmap.shape[1], nmap.shape[0])
+    assert torch.equal(gmap.sorted_map_t, nmap[order].t())
+    assert gmap.sorted_map_t is gmap.sorted_map_t  # derived once per plan object
+    assert not any("sorted_map_t" in name for name in plan.tensors())  # not in plan files
+
+
 def test_auto_picks_explicit_for_wide_16bit_only():
     from flexplan.kernel_configs import EXPLICIT_MIN_CHANNELS, choose_algo
 

@@ -76,19 +76,17 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
     out = src.new_empty((m, n))
     if m == 0:
         return out
-    nmap = gmap.neighbor_map
     if algo == "explicit":
-        return _explicit_gather_gemm(src, weight, bias, nmap, reverse, part)
+        return _explicit_gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
     problem = Problem(m, ci, co, v, _dtype_name(src.dtype, allow_tf32), algo, part)
     cfg = select_config(GATHER_GEMM, problem)
     masked = algo.startswith("masked")
     if masked:
         cfg = replace(cfg, block_m=_block_for(gmap, cfg.block_m))
-        order = gmap.sorted_idx
         valid_kernel = gmap.valid_kernel[cfg.block_m]
         valid_kernel_seg = gmap.valid_kernel_seg[cfg.block_m]
     else:
-        order = valid_kernel = valid_kernel_seg = nmap  # unused by the kernel
+        valid_kernel = valid_kernel_seg = gmap.sorted_idx  # unused by the kernel
     # The kernel reads the weight as [N, V, K]: [Co, V, Ci] as is, or transposed for grad-input
     # (a copy of V*Ci*Co elements, small next to the convolution; keeps tiles K-major).
     w_nvk = weight if part == "fwd" else weight.transpose(0, 2).contiguous()
@@ -100,7 +98,8 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
 
     grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n), cfg.splitk)
     launch(conv_gather_gemm_kernel, grid,
-           src, w_nvk, bias if has_bias else w_nvk, nmap, order, valid_kernel, valid_kernel_seg,
+           src, w_nvk, bias if has_bias else w_nvk, gmap.sorted_map_t, gmap.sorted_idx,
+           valid_kernel, valid_kernel_seg,
            dest, m, k, n, v, **gather_gemm_constexprs(cfg, masked, reverse, has_bias, allow_tf32))
     if split:
         total = dest.sum(0)

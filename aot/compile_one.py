@@ -39,6 +39,7 @@ def compile_spec(spec: dict, entry_path: Path) -> dict:
     from triton.compiler import ASTSource
 
     from flexplan.aot.keys import BINARY_EXT, TARGETS, gpu_target, source_hash
+    from flexplan.aot.kernel_params import ptx_param_bytes
 
     fn = _import_kernel(spec)
     if source_hash(fn) != spec["source_hash"]:
@@ -68,6 +69,8 @@ def compile_spec(spec: dict, entry_path: Path) -> dict:
         _write_json(entry_path, entry)
         return entry
     binary.write_bytes(compiled.kernel)
+    if "ptx" in compiled.asm:  # CUDA: the parameter sizes the direct launcher checks its layout against
+        entry["param_bytes"] = ptx_param_bytes(compiled.asm["ptx"], compiled.name)
     meta_src = next(p for name, p in compiled.metadata_group.items() if name.endswith(".json"))
     shutil.copyfile(meta_src, metadata)
     bundle_root = entry_path.parent.parent.parent  # <root>/<target>/<kernel>/<key>.entry.json

@@ -12,6 +12,9 @@ from flexplan.aot.keys import BINARY_EXT, MANIFEST_NAME, TARGETS, source_files, 
 from flexplan.aot.variants import enumerate_variants
 
 
+BUILD_TOOL_FILES = ("aot/compile_one.py", "flexplan/aot/kernel_params.py")
+
+
 def _esc(path: str) -> str:
     return path.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
 
@@ -44,6 +47,8 @@ def write_build_file(out: Path, targets: list[str], kernel_filter: str | None,
         "  description = AOT manifest",
     ]
     entries, sources = [], {}
+    # Every binary also depends on the code that writes its entry: changing it rebuilds them all.
+    tools = " ".join(_esc(str(REPO / f)) for f in BUILD_TOOL_FILES)
     for target in targets:
         specializer = Specializer(target)
         ext = BINARY_EXT[TARGETS[target][0]]
@@ -62,7 +67,8 @@ def write_build_file(out: Path, targets: list[str], kernel_filter: str | None,
             stem = f"{target}/{variant.kernel}/{key}"
             entries.append(f"{stem}.entry.json")
             lines += [
-                f"build {stem}.entry.json | {stem}.{ext} {stem}.json: compile {spec_file} | {sources[variant.module]}",
+                f"build {stem}.entry.json | {stem}.{ext} {stem}.json: compile {spec_file} "
+                f"| {sources[variant.module]} {tools}",
                 f"  triton = {version}",
                 f"  source = {spec['source_hash']}",
                 f"  target = {target}",

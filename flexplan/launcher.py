@@ -1,8 +1,10 @@
 """The one place kernels are launched: ahead-of-time binaries when a bundle matches, else JIT.
 
 Every op calls `launch(kernel, grid, *args, **constexprs)` instead of `kernel[grid](...)`, so the
-AOT runtime can swap in precompiled binaries without touching the ops. Set FLEXPLAN_AOT=0 to
-always JIT-compile. Under TRITON_INTERPRET=1 kernels are interpreter functions: launched as is.
+AOT runtime can swap in precompiled binaries without touching the ops: launched directly through
+the CUDA driver where flexplan.aot.direct covers them, else through Triton (its JIT then takes
+the binary from the bundle, or compiles). Set FLEXPLAN_AOT=0 to always JIT-compile. Under
+TRITON_INTERPRET=1 kernels are interpreter functions: launched as is.
 """
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ def _aot_enabled(kernel) -> bool:
 
 def launch(kernel, grid, *args, **constexprs):
     if _aot_enabled(kernel):
-        from .aot import runtime
+        from .aot import direct, runtime
 
+        if direct.launch(kernel, grid, args, constexprs):
+            return
         runtime.install()
         if kernel[grid](*args, **constexprs) is not None:
             return

@@ -256,6 +256,7 @@ def test_doctor_lists_the_bundle(bundle, tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"bundle:  {out}" in proc.stdout and "usable" in proc.stdout
+    assert "launch:  Triton's launcher (" in proc.stdout  # this CPU machine: no libcuda / not Triton 3.6
     assert "precompiled for sm_90: " in proc.stdout and "conv_wgrad_kernel x1" in proc.stdout
     assert "JIT-compiled on first use here: " in proc.stdout
 
@@ -272,3 +273,119 @@ def test_install_copies_the_bundle_into_the_user_cache(bundle, tmp_path, monkeyp
     assert installed.problem is None and installed.entries == _manifest(out)["entries"]
     assert all(installed.entry_files_ok(e) is None for e in installed.entries)
     assert not (dest / "build.ninja").exists()  # binaries and manifest only
+
+
+# ---------------------------------------------------------------- direct launch (flexplan.aot.direct)
+
+def test_bundle_records_the_kernel_parameter_sizes(bundle):
+    """The build reads each cubin's parameter sizes from its PTX; the direct launcher's layout
+    (Triton 3.6's launcher ABI) must produce exactly those for every kernel Triton compiled here."""
+    import importlib
+
+    from flexplan.aot.kernel_params import kernel_params, param_bytes
+
+    out, _ = bundle
+    entries = _manifest(out)["entries"]
+    for e in entries:
+        if e["target"] != "sm_90":
+            assert "param_bytes" not in e
+            continue
+        module, attr = e["kernel"].rsplit(".", 1)
+        fn = getattr(importlib.import_module(module), attr)
+        signature = {name: e["signature"][name] for name in fn.arg_names}  # the manifest sorts keys
+        assert param_bytes(kernel_params(signature)) == e["param_bytes"], e["kernel"]
+    assert len({e["kernel"] for e in entries if e["target"] == "sm_90"}) >= 10
+
+
+_DIRECT_PROBE = r'''
+import ctypes, importlib, json, logging, os, sys
+import torch, triton
+from triton.runtime.driver import driver
+from flexplan.aot import direct, runtime
+from flexplan.aot.specialize import Specializer, _example
+from flexplan.aot.variants import enumerate_variants
+
+logging.basicConfig(level=logging.WARNING, format="LOG %(message)s", stream=sys.stdout)
+# A fake sm_90 device: Triton's binder and the bundle lookup run for real, the driver calls are
+# recorded. This Triton's kernels have Triton 3.6's parameter ABI (test above), so allow it here.
+direct.DIRECT_TRITON = (triton.__version__,)
+direct.libcuda = lambda: None
+torch.cuda.current_device = lambda: 0
+torch.cuda.get_device_capability = lambda device=None: (9, 0)
+torch.cuda.current_stream = lambda device=None: type("Stream", (), {"cuda_stream": 1234})()
+loads, launches, sizes = [], [], []
+
+class RecordingKernel:
+    def __init__(self, cubin, name, device, **settings):
+        loads.append(dict(name=name, device=device, cubin_bytes=len(cubin), **settings))
+        self.num_ctas = settings["num_ctas"]
+    def launch(self, grid, stream, params):
+        values = [int.from_bytes(ctypes.string_at(a, n), "little") for a, n in zip(params, sizes)]
+        launches.append(dict(grid=list(grid), stream=stream, count=len(params), values=values))
+
+direct.CudaKernel = RecordingKernel
+manifest = {e["key"]: e for e in json.load(open(os.path.join(sys.argv[2], "manifest.json")))["entries"]}
+
+def request(kernel, change=None):
+    variant = next(v for v in enumerate_variants() if v.kernel == kernel)
+    fn = getattr(importlib.import_module(variant.module), variant.attr)
+    kwargs = dict(variant.constexprs, **(change or {}))
+    entry = manifest.get(Specializer("sm_90").spec(variant)["key"], {})
+    sizes[:] = entry.get("param_bytes", [])
+    args = [_example(a) for a in variant.args]
+    served = direct.launch(fn, (5, 2), args, kwargs)
+    signature = entry.get("signature", {})
+    expected = [a.data_ptr() if isinstance(a, torch.Tensor) else a
+                for name, a in zip(fn.arg_names, args) if signature.get(name) != "constexpr"]
+    return {"served": served, "expected": expected + [0, 0], "param_bytes": entry.get("param_bytes")}
+
+os.environ["FLEXPLAN_AOT_PATH"] = sys.argv[2]
+runtime.reset()
+out = {"wgrad": request("conv_wgrad"), "gemm": request("conv_gather_gemm"),
+       "other_warps": request("conv_wgrad", {"num_warps": 2})}
+triton.knobs.runtime.launch_enter_hook.add(lambda *_: None)  # a profiler: Triton must see launches
+out["profiled"] = request("conv_wgrad")
+out.update(loads=loads, launches=launches, stats=dict(runtime.stats), triton_driver_started=driver._default is not None)
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _direct_probe(bundle_dir: Path, work: Path):
+    proc = subprocess.run([sys.executable, "-c", _DIRECT_PROBE, "probe", str(bundle_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env=_env(FLEXPLAN_CACHE_DIR=str(work / "cache")))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(result[len("RESULT "):]), [line for line in proc.stdout.splitlines() if line.startswith("LOG ")]
+
+
+def test_direct_launch_passes_the_binarys_parameters(bundle, tmp_path):
+    out, _ = bundle
+    result, _ = _direct_probe(out, tmp_path)
+    assert result["wgrad"]["served"] and result["gemm"]["served"]
+    assert result["other_warps"]["served"] is False  # not in the bundle: left to Triton's JIT
+    assert result["profiled"]["served"] is False  # launch hooks set: left to Triton's launcher
+    assert not result["triton_driver_started"]  # no Triton launcher, no cuda_utils build
+    assert result["stats"] == {"aot": 2, "direct": 2}
+    assert [load["name"] for load in result["loads"]] == ["conv_wgrad_kernel", "conv_gather_gemm_kernel"]
+    for load in result["loads"]:
+        assert load["cubin_bytes"] > 0 and load["shared"] > 0 and load["num_warps"] in (1, 2, 4, 8)
+        assert load["num_ctas"] == 1 and not load["cooperative"] and not load["pdl"]
+    for request, launch in zip((result["wgrad"], result["gemm"]), result["launches"]):
+        assert launch["grid"] == [5, 2, 1] and launch["stream"] == 1234
+        assert launch["count"] == len(request["param_bytes"]) == len(request["expected"])
+        assert launch["values"] == request["expected"]  # pointers, ints, then two null scratch pointers
+
+
+def test_direct_launch_refuses_an_entry_without_parameter_sizes(bundle, tmp_path):
+    out, _ = bundle
+    old = tmp_path / "old"
+    shutil.copytree(out, old, ignore=shutil.ignore_patterns("specs", ".triton-cache"))
+    manifest = _manifest(old)
+    for e in manifest["entries"]:
+        e.pop("param_bytes", None)
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    result, logs = _direct_probe(old, tmp_path)
+    assert not result["wgrad"]["served"] and not result["gemm"]["served"] and result["loads"] == []
+    lines = [line for line in logs if "launching it through Triton's launcher" in line]
+    assert len(lines) == 2 and "no parameter layout" in lines[0], logs

@@ -1,5 +1,5 @@
-"""`python -m flexplan doctor`: this device, its AOT target, Triton, the bundles found, and which
-kernel variants will run precompiled vs be JIT-compiled here."""
+"""`python -m flexplan doctor`: this device, its AOT target, Triton, how bundle binaries are
+launched, the bundles found, and which kernel variants will run precompiled vs be JIT-compiled here."""
 from __future__ import annotations
 
 import argparse
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     from ..launcher import AOT_ENV
-    from . import runtime
+    from . import direct, runtime
     from .keys import gpu_target, target_name, triton_version
 
     device, target = _device_target()
@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch:   {torch.__version__}   Triton: {triton_version()}   "
           f"interpreter: {os.environ.get('TRITON_INTERPRET', '0') == '1'}   "
           f"{AOT_ENV}={os.environ.get(AOT_ENV, '1')}")
+    why_not_direct = direct.unavailable()
+    print("launch:  " + ("direct (CUDA driver API through ctypes; no host compiler)" if why_not_direct is None
+                         else f"Triton's launcher ({why_not_direct})"))
     runtime.reset()
     bundles = runtime.bundle_summary()
     if not bundles:

@@ -7,7 +7,8 @@ The hook turns those into a variant key (flexplan.aot.keys); if an installed bun
 for this GPU target and Triton version, it builds Triton's CompiledKernel from the stored
 metadata + binary (no compilation), stores it in the JIT's cache and returns True (Triton then
 skips the compile; flexplan.launcher launches again, now from the cache). Otherwise the JIT
-compiles as usual, after one log line per kernel saying why.
+compiles as usual, after one log line per kernel saying why. On CUDA with Triton 3.6,
+flexplan.aot.direct launches bundle hits before Triton sees the call; this hook serves the rest.
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ _index: dict[str, tuple[Bundle, dict]] | None = None  # variant key -> (bundle, 
 _sources: dict[str, set[str]] = {}                   # kernel -> source hashes in the bundles
 _refused: list[str] = []
 _logged: set[str] = set()
-stats = Counter()  # "aot" (binaries loaded), "jit" (compiles left to the JIT)
+# "aot": bundle binaries loaded; "direct": those of them launched through the driver API
+# (flexplan.aot.direct); "jit": compiles left to Triton's JIT.
+stats = Counter()
 
 
 def install() -> None:
@@ -58,6 +61,9 @@ def reset() -> None:
         _refused.clear()
         _logged.clear()
         stats.clear()
+    from . import direct
+
+    direct.reset()
 
 
 def load_index() -> dict[str, tuple[Bundle, dict]]:
@@ -84,17 +90,16 @@ def refused_bundles() -> list[str]:
     return list(_refused)
 
 
-def _log_once(topic: str, message: str, *args) -> None:
+def log_once(topic: str, message: str, *args) -> None:
     if topic not in _logged:
         _logged.add(topic)
         log.warning("flexplan.aot: " + message, *args)
 
 
-def lookup(fn, target, compile_args: dict):
-    """(bundle, entry) for this compile request of JITFunction fn on target, or (None, reason)."""
+def lookup(fn, target, signature: dict, constants: dict, attrs: dict, options: dict):
+    """(bundle, entry) for these compile inputs of JITFunction fn on target, or (None, reason)."""
     name, tname = kernel_name(fn), target_name(target)
-    options = json.loads(compile_args["specialization_data"])["options"]
-    spec = canonical_spec(compile_args["signature"], compile_args["constants"], compile_args["configs"][0])
+    spec = canonical_spec(signature, constants, attrs)
     key = variant_key(tname, name, source_hash(fn), spec, options)
     index = load_index()
     if key in index:
@@ -133,7 +138,9 @@ def _jit_cache_hook(*, key, repr, fn, compile, is_manual_warmup, already_compile
         return None
     try:
         kernel_cache, _, target, _, _ = jit_fn.device_caches[compile["device"]]
-        bundle, entry = lookup(jit_fn, target, compile)
+        options = json.loads(compile["specialization_data"])["options"]
+        bundle, entry = lookup(jit_fn, target, compile["signature"], compile["constants"], compile["configs"][0],
+                               options)
         if bundle is None:
             reason = entry
         else:
@@ -142,11 +149,11 @@ def _jit_cache_hook(*, key, repr, fn, compile, is_manual_warmup, already_compile
                 kernel_cache[key] = load_compiled(jit_fn, compile, bundle, entry)
                 stats["aot"] += 1
                 return True
-            _log_once(reason, "%s; skipping it", reason)
+            log_once(reason, "%s; skipping it", reason)
     except Exception as exc:  # a broken bundle must never break a launch: JIT instead
         reason = f"AOT lookup failed ({exc.__class__.__name__}: {exc})"
     stats["jit"] += 1
-    _log_once(name, "%s: %s: compiling it with Triton's JIT", name.rsplit(".", 1)[-1], reason)
+    log_once(name, "%s: %s: compiling it with Triton's JIT", name.rsplit(".", 1)[-1], reason)
     return None
 
 

@@ -5,12 +5,17 @@ forward + backward, Triton compilations counted, results compared.
 
 Without --bundle it builds one for this GPU first, timed
 (`python -m aot --targets <this GPU> --channels <the benchmark's width>`).
+Before timing, one untimed process runs the workload and every package it imported is
+byte-compiled (python -m compileall), as a pip install does at install time: the GPU image ships
+its venv without .pyc files (and sets PYTHONDONTWRITEBYTECODE=1), which would otherwise charge
+seconds of Python compilation to every mode.
 Then three fresh processes, each with its own empty TRITON_CACHE_DIR unless warm:
   aot       the bundle (FLEXPLAN_AOT_PATH), nothing else
   jit-cold  FLEXPLAN_AOT=0, empty Triton cache
   jit-warm  FLEXPLAN_AOT=0, the cache jit-cold left behind
 Each runs forward + backward for every dtype (the plan is built on the GPU, planner kernels
-included) and saves the results; AOT must compile nothing and match JIT exactly.
+included) and saves the results; AOT must compile nothing (no Triton compilation, no host C
+build of a Triton launcher) and match JIT bitwise (printed as PASS / FAIL).
 Writes scripts/results/bench_aot.md.
 """
 from __future__ import annotations
@@ -30,13 +35,62 @@ DTYPES = ("float16", "bfloat16", "float32", "tf32", "float64")
 DATE = today()
 
 
+def count_host_builds() -> list:
+    """Names of the C modules Triton compiles with the host compiler in this process (its
+    launchers and cuda_utils under Triton 3.6), recorded by wrapping triton.runtime.build._build."""
+    from triton.runtime import build
+
+    builds = []
+    real = build._build
+
+    def counting(name, *args, **kwargs):
+        builds.append(name)
+        return real(name, *args, **kwargs)
+
+    build._build = counting
+    return builds
+
+
+def import_roots() -> list[str]:
+    """What to byte-compile for this process's imports: the top-level package (or module) of
+    every module loaded from source, as pip compiles whole packages; a file outside its top-level
+    package's directory (flexplan.kernels_src) on its own."""
+    roots = set()
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not file or not file.endswith(".py"):
+            continue
+        top = getattr(sys.modules.get(name.partition(".")[0]), "__file__", None) or file
+        root = os.path.dirname(top) if top.endswith("__init__.py") else top
+        roots.add(root if file == root or file.startswith(root + os.sep) else file)
+    return sorted(roots)
+
+
+def count_source_compiles() -> list:
+    """Source files this process compiles on import (no usable .pyc), recorded by wrapping the
+    import system's SourceFileLoader.source_to_code."""
+    from importlib.machinery import SourceFileLoader
+
+    compiled = []
+    real = SourceFileLoader.source_to_code
+
+    def counting(self, data, path, *args, **kwargs):
+        compiled.append(path)
+        return real(self, data, path, *args, **kwargs)
+
+    SourceFileLoader.source_to_code = counting
+    return compiled
+
+
 def child(args) -> None:
     """One measured process: everything from here counts towards the start-up time."""
     t0 = float(os.environ["BENCH_T0"])
+    from_source = count_source_compiles()
     from triton import knobs
 
     compiled = []
     knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    host_builds = count_host_builds()
     import torch
 
     from flexplan import SparseTensor
@@ -70,7 +124,8 @@ def child(args) -> None:
         results[dtype_name] = [t.detach().cpu() for t in (out, feats.grad, conv.weight.grad, conv.bias.grad)]
     total = time.time() - t0
     torch.save({"results": results, "first": first, "total": total, "compiled": compiled, "ready": ready,
-                "aot_loaded": runtime.stats["aot"], "voxels": len(coords)}, args.save)
+                "host_builds": host_builds, "aot_loaded": runtime.stats["aot"], "direct": runtime.stats["direct"],
+                "from_source": len(from_source), "import_roots": import_roots(), "voxels": len(coords)}, args.save)
 
 
 def spawn(mode: str, save: Path, env: dict, args) -> dict:
@@ -99,6 +154,30 @@ def build_bundle(target: str, channels: int) -> tuple[Path, float, str]:
         raise SystemExit("AOT build failed:\n" + "\n".join(lines[-20:]) + proc.stderr[-3000:])
     summary = [line for line in lines if line.startswith("aot: ") and "does not compile:" not in line]
     return out, time.time() - start, " / ".join(summary)
+
+
+def byte_compile(roots: list[str]) -> tuple[float, int]:
+    """python -m compileall over the measured process's imports: (seconds, exit status)."""
+    start = time.time()
+    rc = subprocess.call([sys.executable, "-m", "compileall", "-q", "-j", "0", *roots],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.time() - start, rc
+
+
+BOTH_FAIL = "both fail the same way"
+
+
+def bitwise_equal(aot, jit) -> str:
+    """"equal" / "DIFFERENT" for two runs' result tensors, or how they failed."""
+    if isinstance(aot, str) or isinstance(jit, str):
+        if aot == jit:
+            return BOTH_FAIL
+        return f"failed (AOT: {aot if isinstance(aot, str) else 'ok'}; JIT: {jit if isinstance(jit, str) else 'ok'})"
+    import torch
+
+    same = all(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+               for a, b in zip(aot, jit))
+    return "equal" if same else "DIFFERENT"
 
 
 def bundle_bytes(bundle: Path) -> int:
@@ -132,10 +211,13 @@ def main() -> None:
     if args.bundle is None:
         args.bundle, build_s, build_line = build_bundle(target, args.channels)
     work = Path(tempfile.mkdtemp(prefix="bench_aot_"))
-    # Untimed: load torch/CUDA/Triton libraries into the OS file cache so no mode pays for it.
-    subprocess.run([sys.executable, "-c", "import torch, triton; torch.zeros(1, device='cuda')"], check=True)
     base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLEXPLAN_AOT_PATH")}
     base["FLEXPLAN_CACHE_DIR"] = str(work / "flexplan-cache")  # no user-cache bundles, no plan cache
+    # Untimed: run the workload once (libraries into the OS file cache, the list of what it
+    # imports), then byte-compile those packages, as installing them with pip would have.
+    warmup = spawn("warm-up", work / "warmup.pt", dict(base, TRITON_CACHE_DIR=str(work / "tc-warmup"),
+                                                       FLEXPLAN_AOT_PATH=str(args.bundle)), args)
+    compile_s, compile_rc = byte_compile(warmup["import_roots"])
     # Interleaved repeats (each with fresh empty caches) so no mode profits from running later.
     rounds = []
     for r in range(args.repeat):
@@ -145,13 +227,9 @@ def main() -> None:
                        "jit-cold": spawn("jit-cold", work / f"cold{r}.pt", jit_env, args),
                        "jit-warm": spawn("jit-warm", work / f"warm{r}.pt", jit_env, args)})
     runs = rounds[0]
-    diffs = {}
-    for dtype in DTYPES:
-        aot, jit = runs["aot"]["results"][dtype], runs["jit-cold"]["results"][dtype]
-        if isinstance(aot, str) or isinstance(jit, str):
-            diffs[dtype] = f"failed (AOT: {aot if isinstance(aot, str) else 'ok'}; JIT: {jit if isinstance(jit, str) else 'ok'})"
-        else:
-            diffs[dtype] = f"{max((a.double() - b.double()).abs().max().item() for a, b in zip(aot, jit)):.1e}"
+    bitwise = {d: bitwise_equal(runs["aot"]["results"][d], runs["jit-cold"]["results"][d]) for d in DTYPES}
+    compared = [v for v in bitwise.values() if v != BOTH_FAIL]
+    passed = bool(compared) and all(v == "equal" for v in compared)
     doctor = subprocess.run([sys.executable, "-m", "flexplan", "doctor"], capture_output=True, text=True,
                             env=dict(base, FLEXPLAN_AOT_PATH=str(args.bundle))).stdout
 
@@ -163,19 +241,27 @@ def main() -> None:
         f"({runs['aot']['voxels']} voxels), plan built on the GPU; forward + backward for "
         f"{', '.join(DTYPES)}. Each mode is a fresh process.", "",
         "| mode | round | imports + CUDA init (s) | first fwd+bwd (s, from process start) | all dtypes (s) "
-        "| Triton compilations | AOT binaries loaded |",
-        "|---|---|---|---|---|---|---|",
+        "| Triton compilations | host C builds | AOT binaries loaded (launched directly) | modules from source |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r, round_runs in enumerate(rounds):
         for mode, data in round_runs.items():
             lines.append(f"| {mode} | {r + 1} | {data['ready']:.2f} | {data['first']:.2f} | {data['total']:.2f} "
-                         f"| {len(data['compiled'])} | {data['aot_loaded']} |")
-    lines += ["", "AOT vs JIT results, max |difference| over output, grad-input, grad-weight, grad-bias: "
-              + "; ".join(f"{d} {v}" for d, v in diffs.items()), "",
+                         f"| {len(data['compiled'])} | {len(data['host_builds'])} | {data['aot_loaded']} "
+                         f"({data['direct']}) | {data['from_source']} |")
+    lines += ["", f"AOT bitwise equal to JIT: {'PASS' if passed else 'FAIL'} (output, grad-input, grad-weight, "
+              "grad-bias; " + "; ".join(f"{d} {v}" for d, v in bitwise.items()) + ")", "",
+              f"Python byte-compiled before timing (`python -m compileall` over the {len(warmup['import_roots'])} "
+              f"top-level packages / modules the workload imports, {compile_s:.0f} s, exit status {compile_rc}), as a "
+              "pip install does; the GPU image's venv ships without .pyc files and sets PYTHONDONTWRITEBYTECODE=1. "
+              "'modules from source': source files a timed process still compiled on import.",
+              "'host C builds': Triton launcher / cuda_utils modules compiled with the host compiler "
+              "(triton.runtime.build), into the empty TRITON_CACHE_DIR.", "",
               f"Bundle: {args.bundle.name}, {bundle_bytes(args.bundle) / 2**20:.1f} MiB"
               + (f"; built here in {build_s:.0f} s ({build_line})" if build_s else ""), ""]
-    if runs["aot"]["compiled"]:
-        lines.append(f"Compiled despite AOT: {sorted(set(runs['aot']['compiled']))}")
+    if runs["aot"]["compiled"] or runs["aot"]["host_builds"]:
+        lines.append(f"Compiled despite AOT: kernels {sorted(set(runs['aot']['compiled']))}, "
+                     f"host modules {sorted(set(runs['aot']['host_builds']))}")
     if runs["aot"]["log"]:
         lines += ["AOT log lines:", "```", *runs["aot"]["log"][:10], "```"]
     lines += ["`python -m flexplan doctor`:", "```", doctor.strip(), "```", ""]
@@ -186,6 +272,9 @@ def main() -> None:
     (results / "bench_aot.md").write_text(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_aot.md").write_text(text)
+    print(f"\nAOT_BITWISE_VS_JIT: {'PASS' if passed else 'FAIL'}")
+    if not passed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

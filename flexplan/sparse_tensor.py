@@ -12,45 +12,57 @@ class SparseTensorError(ValueError):
     """Raised for malformed sparse tensors (bad dtype, shape, range, duplicates)."""
 
 
-def check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batch_size: int,
-                 check_duplicates: bool = True) -> None:
-    """Validate coords against the grid; raise SparseTensorError with the first offending row."""
+def check_coords_layout(coords: torch.Tensor) -> None:
+    """The host-side checks: type, dtype, shape. No device work."""
     if not isinstance(coords, torch.Tensor):
         raise SparseTensorError(f"coords must be a torch.Tensor, got {type(coords).__name__}")
     if coords.dtype != torch.int32:
         raise SparseTensorError(f"coords must be int32, got {coords.dtype}")
     if coords.dim() != 2 or coords.shape[1] != 4:
         raise SparseTensorError(f"coords must have shape [N, 4] (batch, x, y, z), got {tuple(coords.shape)}")
-    if coords.shape[0] == 0:
-        return
-    n = coords.shape[0]
-    upper = torch.tensor([batch_size, *spatial_shape], dtype=torch.int32, device=coords.device)
-    bad = ((coords < 0) | (coords >= upper)).any(dim=1)
-    first_bad = torch.where(bad.any(), bad.to(torch.int8).argmax(), n)  # argmax: first True
-    if check_duplicates and coords.is_cuda:
-        # A hash insert notices repeated keys without sorting; both checks share one host sync.
-        from .planner.hashmap import first_duplicate_row
 
-        dup = first_duplicate_row(coords, spatial_shape, batch_size)
-        bad_row, dup_row = torch.cat([first_bad.view(1).to(torch.int32), dup]).tolist()
-    else:
-        bad_row, dup_row = int(first_bad), n
+
+def raise_coords_problems(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
+                          batch_size: int, bad_row: int, dup_row: int) -> None:
+    """Raise for the first row outside the grid, else for a duplicated row (N: none)."""
+    n = coords.shape[0]
     if bad_row < n:
         raise SparseTensorError(
             f"coords row {bad_row} = {coords[bad_row].tolist()} is outside batch_size={batch_size}, "
             f"spatial_shape={tuple(spatial_shape)} (each entry must be in [0, size))")
-    if check_duplicates and not coords.is_cuda:
-        from .planner.keys import pack_coords  # local import: keys depends on nothing here
-
-        keys = pack_coords(coords, spatial_shape, batch_size)
-        sorted_keys, order = torch.sort(keys, stable=True)
-        dup = (sorted_keys[1:] == sorted_keys[:-1]).nonzero()
-        dup_row = int(order[dup[0, 0]]) if dup.numel() else n
     if dup_row < n:
         a, b = (coords == coords[dup_row]).all(dim=1).nonzero()[:2, 0].tolist()
         raise SparseTensorError(
             f"duplicate coordinate {coords[a].tolist()} at rows {a} and {b}; "
             "pass merge_duplicates=True to SparseTensor to sum their features")
+
+
+def check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batch_size: int,
+                 check_duplicates: bool = True) -> None:
+    """Validate coords against the grid; raise SparseTensorError with the first offending row."""
+    check_coords_layout(coords)
+    n = coords.shape[0]
+    if n == 0:
+        return
+    if check_duplicates and coords.is_cuda:
+        # One hash insert pass finds both, without sorting; one host sync.
+        from .planner.hashmap import coords_problems
+
+        raise_coords_problems(coords, spatial_shape, batch_size,
+                              *coords_problems(coords, spatial_shape, batch_size).tolist())
+        return
+    upper = torch.tensor([batch_size, *spatial_shape], dtype=torch.int32, device=coords.device)
+    bad = ((coords < 0) | (coords >= upper)).any(dim=1)
+    first_bad = torch.where(bad.any(), bad.to(torch.int8).argmax(), n)  # argmax: first True
+    raise_coords_problems(coords, spatial_shape, batch_size, int(first_bad), n)
+    if check_duplicates:
+        from .planner.keys import pack_coords  # local import: keys depends on nothing here
+
+        keys = pack_coords(coords, spatial_shape, batch_size)
+        sorted_keys, order = torch.sort(keys, stable=True)
+        dup = (sorted_keys[1:] == sorted_keys[:-1]).nonzero()
+        raise_coords_problems(coords, spatial_shape, batch_size, n,
+                              int(order[dup[0, 0]]) if dup.numel() else n)
 
 
 def merge_duplicate_coords(feats: torch.Tensor, coords: torch.Tensor,

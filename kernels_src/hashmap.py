@@ -57,18 +57,37 @@ def _voxel_key(b, x, y, z, size_x, size_y, size_z, KEY_64: tl.constexpr):
         return ((b * size_x + x) * size_y + y) * size_z + z
 
 
-@triton.jit
-def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, first_dup,
-                       size_x, size_y, size_z, KEY_64: tl.constexpr, BLOCK: tl.constexpr):
-    """Insert key(coords[i]) -> i. A lane whose key is already in the table is a duplicate
-    row: first_dup[0] gets the smallest such row (atomic min), and the stored value stays.
-    int64 keys: keys in table_keys, values in table_vals; int32 keys: packed in table_keys."""
+@triton.jit(do_not_specialize=["batch_size"])  # batch 1 would compile its own binary
+def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, problems, nmap,
+                       batch_size, size_x, size_y, size_z, V: tl.constexpr,
+                       KEY_64: tl.constexpr, BLOCK: tl.constexpr):
+    """Insert key(coords[i]) -> i for the rows inside the grid, and note what is wrong with the
+    input: problems[0] gets the smallest row outside [0, batch_size) x grid, problems[1] the
+    smallest row whose key was already in (a duplicate; the stored value stays). Both by atomic
+    min, so they must start at n. int64 keys: keys in table_keys, values in table_vals; int32
+    keys: packed in table_keys.
+
+    Also starts the neighbour map nmap [n, V] of these rows (the lookups write only hits):
+    MISSING everywhere but the centre column, which is the row itself.
+    """
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    active = rows < n
+    live = rows < n
     base = coords + rows.to(tl.int64) * 4
-    key = _voxel_key(tl.load(base, mask=active, other=0), tl.load(base + 1, mask=active, other=0),
-                     tl.load(base + 2, mask=active, other=0), tl.load(base + 3, mask=active, other=0),
-                     size_x, size_y, size_z, KEY_64)
+    b = tl.load(base, mask=live, other=0)
+    x = tl.load(base + 1, mask=live, other=0)
+    y = tl.load(base + 2, mask=live, other=0)
+    z = tl.load(base + 3, mask=live, other=0)
+    inside = ((b >= 0) & (b < batch_size) & (x >= 0) & (x < size_x) & (y >= 0) & (y < size_y)
+              & (z >= 0) & (z < size_z))
+    tl.atomic_min(problems + 0 * rows, rows.to(tl.int64), mask=live & ~inside)
+    # The map rows of this program are one contiguous run of BLOCK * V entries.
+    run = nmap + tl.program_id(0).to(tl.int64) * BLOCK * V
+    for c in range(V):
+        local = c * BLOCK + tl.arange(0, BLOCK)
+        owner = tl.program_id(0) * BLOCK + local // V
+        tl.store(run + local, tl.where(local % V == V // 2, owner, MISSING), mask=owner < n)
+    active = live & inside
+    key = _voxel_key(b, x, y, z, size_x, size_y, size_z, KEY_64)
     slot = _hash_slot(key, slot_mask, KEY_64)
     if KEY_64:
         entry = key
@@ -84,7 +103,7 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, first_dup,
         else:
             prev = prev.to(tl.int32)  # its key half
         dup = active & ~won & (prev == key)
-        tl.atomic_min(first_dup + 0 * rows, rows, mask=dup)
+        tl.atomic_min(problems + 1 + 0 * rows, rows.to(tl.int64), mask=dup)
         active = active & ~won & ~dup
         slot = tl.where(active, (slot + 1) & slot_mask, slot)
 
@@ -109,17 +128,18 @@ def _lookup(table_keys, table_vals, key, active, slot_mask, KEY_64: tl.constexpr
     return found
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch_size"])
 def submanifold_neighbor_map_kernel(
         table_keys, table_vals, coords, nmap, n, slot_mask,
-        size_x, size_y, size_z,
+        batch_size, size_x, size_y, size_z,
         KX: tl.constexpr, KY: tl.constexpr, KZ: tl.constexpr,
         DX: tl.constexpr, DY: tl.constexpr, DZ: tl.constexpr,
         KEY_64: tl.constexpr, BLOCK: tl.constexpr):
-    """Fill nmap [n, V] (pre-set to MISSING) from the table of coords' keys.
+    """Fill nmap [n, V] (started by hash_insert_kernel) from the table of coords' keys.
 
     One lane per (row i, offset v < V // 2). Offsets v and V - 1 - v are opposite, so a hit
-    j also gives nmap[j, V - 1 - v] = i: half the lookups. Lanes with v == 0 write the centre.
+    j also gives nmap[j, V - 1 - v] = i: half the lookups, but nmap[i, V - 1 - v] has no writer
+    when there is no such j, which is why the map must start as MISSING.
     """
     V: tl.constexpr = KX * KY * KZ
     HALF: tl.constexpr = V // 2
@@ -132,10 +152,12 @@ def submanifold_neighbor_map_kernel(
     x = tl.load(base + 1, mask=live, other=0) + (v // (KY * KZ) - KX // 2) * DX
     y = tl.load(base + 2, mask=live, other=0) + (v // KZ % KY - KY // 2) * DY
     z = tl.load(base + 3, mask=live, other=0) + (v % KZ - KZ // 2) * DZ
-    inside = live & (x >= 0) & (x < size_x) & (y >= 0) & (y < size_y) & (z >= 0) & (z < size_z)
+    # Rows outside the batch range (bad input, rejected after the build) look nothing up: their
+    # keys could be anything, EMPTY_KEY included.
+    inside = (live & (b >= 0) & (b < batch_size) & (x >= 0) & (x < size_x) & (y >= 0)
+              & (y < size_y) & (z >= 0) & (z < size_z))
     key = tl.where(inside, _voxel_key(b, x, y, z, size_x, size_y, size_z, KEY_64), 0)
     j = _lookup(table_keys, table_vals, key, inside, slot_mask, KEY_64)
     hit = j != MISSING
     tl.store(nmap + row * V + v, j, mask=hit)
     tl.store(nmap + j.to(tl.int64) * V + (V - 1 - v), row.to(tl.int32), mask=hit)
-    tl.store(nmap + row * V + HALF, row.to(tl.int32), mask=live & (v == 0))

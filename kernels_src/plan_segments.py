@@ -1,84 +1,157 @@
-"""Masked-GEMM schedule of a neighbour map on the GPU: Gray-code ranks, per-block offset
-unions, and per-offset (input, output) pairs. Each reads the int32 [N, V] map directly, so no
-[N, V] bool/int64 temporaries are made. Semantics: flexplan/planner/segments.py."""
+"""Masked-GEMM schedule of a neighbour map on the GPU (flexplan/planner/segments_triton.py drives
+these; semantics: flexplan/planner/segments.py).
+
+Offset masks travel as Gray ranks in words of WORD_BITS bits (int32 or int64), WORD_BITS - 1
+mask bits each so that words stay positive and signed sorting is unsigned order. A rank is the
+mask's inverse Gray code, so the mask comes back as rank ^ (rank >> 1).
+
+`counts` is one int32 buffer whose inclusive prefix sum `scan` (int64) places every output:
+entries [0, pairs_at) are the blocks of every block size (B0 << l for l < LEVELS, size after
+size), entries from pairs_at on are the pairs of each (offset v, row block p) at
+pairs_at + v * row_blocks + p. An entry's output starts at scan[entry - 1].
+"""
 import triton
 import triton.language as tl
 
 MISSING = tl.constexpr(-1)
-# Mask bits per rank word (flexplan/planner/segments.py _WORD_BITS): words stay positive.
-WORD_BITS = tl.constexpr(62)
 
 
-@triton.jit
-def gray_rank_kernel(nmap, ranks, n, V: tl.constexpr, NUM_WORDS: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """ranks[w, i] = word w of row i's inverse-Gray-code rank (offset V-1 most significant)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+# Offsets into the count buffer take any value: specializing on them would only multiply binaries.
+@triton.jit(do_not_specialize=["pairs_at"])
+def gray_rank_kernel(nmap, ranks, counts, n, pairs_at, V: tl.constexpr, WORDS: tl.constexpr,
+                     WORD_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """ranks[w, i] = word w of row i's inverse-Gray-code rank (offset V-1 most significant), and
+    the pair count of each offset in this program's rows. Grid: the row blocks."""
+    MASK_BITS: tl.constexpr = WORD_BITS - 1
+    ALL_ONES: tl.constexpr = (1 << MASK_BITS) - 1
+    DT: tl.constexpr = ranks.dtype.element_ty
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = rows < n
-    bit = tl.arange(0, 64)
-    weight = tl.full([64], 1, tl.int64) << bit.to(tl.int64)
-    all_ones = (tl.full([BLOCK], 1, tl.int64) << WORD_BITS) - 1
-    carry = tl.zeros([BLOCK], tl.int64)
-    for i in tl.static_range(NUM_WORDS):  # most significant word first
-        w = NUM_WORDS - 1 - i
-        cols = w * WORD_BITS + bit
-        ok = live[:, None] & (bit[None, :] < WORD_BITS) & (cols[None, :] < V)
-        entry = tl.load(nmap + rows[:, None] * V + cols[None, :], mask=ok, other=MISSING)
-        word = tl.sum(tl.where(entry != MISSING, weight[None, :], 0), axis=1)
+    bit = tl.arange(0, WORD_BITS)
+    weight = tl.full([WORD_BITS], 1, DT) << bit.to(DT)
+    carry = tl.zeros([BLOCK], DT)
+    for i in tl.static_range(WORDS):  # most significant word first
+        w = WORDS - 1 - i
+        cols = w * MASK_BITS + bit
+        valid = (bit < MASK_BITS) & (cols < V)
+        entry = tl.load(nmap + rows[:, None] * V + cols[None, :],
+                        mask=live[:, None] & valid[None, :], other=MISSING)
+        present = entry != MISSING
+        word = tl.sum(tl.where(present, weight[None, :], 0), axis=1)
         for s in tl.static_range(6):  # prefix XOR from the top bit down
-            word = word ^ (word >> (1 << s))
-        word = word ^ (carry * all_ones)
+            if (1 << s) < MASK_BITS:
+                word = word ^ (word >> (1 << s))
+        word = word ^ (carry * ALL_ONES)  # parity of the higher words flips every bit here
         carry = word & 1
         tl.store(ranks + w * n + rows, word, mask=live)
+        tl.store(counts + pairs_at + cols.to(tl.int64) * tl.num_programs(0) + pid,
+                 tl.sum(present.to(tl.int32), axis=0), mask=valid)
 
 
 @triton.jit
-def block_union_kernel(nmap, order, union, n, V: tl.constexpr, VP: tl.constexpr,
-                       B: tl.constexpr, GROUP: tl.constexpr):
-    """union[k, v] = 1 if any of sorted rows order[k*B : (k+1)*B] has offset v."""
-    block = tl.program_id(0).to(tl.int64) * GROUP + tl.arange(0, GROUP)
-    rank = block[:, None] * B + tl.arange(0, B)[None, :]                    # [GROUP, B]
-    row = tl.load(order + rank, mask=rank < n, other=0).to(tl.int64)
-    cols = tl.arange(0, VP)
-    ok = (rank < n)[:, :, None] & (cols < V)[None, None, :]
-    entry = tl.load(nmap + row[:, :, None] * V + cols[None, None, :], mask=ok, other=MISSING)
-    any_row = tl.max((entry != MISSING).to(tl.int8), axis=1)                # [GROUP, VP]
+def _sorted_masks(sorted_ranks, rows, live, n, w: tl.constexpr, WORDS: tl.constexpr,
+                  MASK_BITS: tl.constexpr):
+    """Word w of the offset masks of sorted rows (0 past n), from their sorted ranks."""
+    rank = tl.load(sorted_ranks + w * n + rows, mask=live, other=0)
+    mask = rank ^ (rank >> 1)
+    if w + 1 < WORDS:  # the top bit pairs with the lowest rank bit of the word above
+        above = tl.load(sorted_ranks + (w + 1) * n + rows, mask=live, other=0)
+        mask = mask ^ ((above & 1) << (MASK_BITS - 1))
+    return mask
+
+
+@triton.jit
+def _block_unions(sorted_ranks, unions, counts, n, rows, live, first, B: tl.constexpr,
+                  CHUNK: tl.constexpr, WORDS: tl.constexpr, WORD_BITS: tl.constexpr):
+    """block_masks_kernel for one block size B: this program's blocks are entries first + k.
+    Returns the number of blocks of size B."""
+    DT: tl.constexpr = sorted_ranks.dtype.element_ty
+    lane = tl.arange(0, WORD_BITS).to(DT)
+    block = tl.program_id(0) * (CHUNK // B) + tl.arange(0, CHUNK // B)
     n_blocks = (n + B - 1) // B
-    tl.store(union + block[:, None] * V + cols[None, :], any_row,
-             mask=(block < n_blocks)[:, None] & (cols < V)[None, :])
+    count = tl.zeros([CHUNK // B], tl.int32)
+    for w in tl.static_range(WORDS):
+        masks = _sorted_masks(sorted_ranks, rows, live, n, w, WORDS, WORD_BITS - 1)
+        bits = ((masks[:, None] >> lane[None, :]) & 1).to(tl.int32)
+        union = tl.max(tl.reshape(bits, [CHUNK // B, B, WORD_BITS]), axis=1)
+        count += tl.sum(union, axis=1)
+        tl.store(unions + (first + block) * WORDS + w,
+                 tl.sum(union.to(DT) << lane[None, :], axis=1), mask=block < n_blocks)
+    tl.store(counts + first + block, count, mask=block < n_blocks)
+    return n_blocks
 
 
 @triton.jit
-def compact_rows_kernel(flags, starts, out, rows_total, V: tl.constexpr, VP: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    """Row r's set columns (ascending) go to out[starts[r]:]: the row-wise nonzero."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, VP)
-    ok = (rows < rows_total)[:, None] & (cols < V)[None, :]
-    f = tl.load(flags + rows[:, None] * V + cols[None, :], mask=ok, other=0).to(tl.int32)
-    start = tl.load(starts + rows, mask=rows < rows_total, other=0).to(tl.int64)
-    pos = start[:, None] + (tl.cumsum(f, axis=1) - f)
-    tl.store(out + pos, cols[None, :] + 0 * f, mask=f != 0)
+def block_masks_kernel(sorted_ranks, order, sorted_idx, unions, counts, n, WORDS: tl.constexpr,
+                       WORD_BITS: tl.constexpr, B0: tl.constexpr, LEVELS: tl.constexpr):
+    """Per block of every block size: unions[entry, w] = word w of the union of its sorted rows'
+    offset masks, counts[entry] = its number of offsets. Each program takes a chunk of the
+    largest block's rows, so every block lies in one program. Also sorted_idx = int32(order)."""
+    CHUNK: tl.constexpr = B0 << (LEVELS - 1)
+    rows = tl.program_id(0).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    live = rows < n
+    tl.store(sorted_idx + rows, tl.load(order + rows, mask=live).to(tl.int32), mask=live)
+    first = 0  # entry of block 0 of the current block size
+    for l in tl.static_range(LEVELS):
+        first += _block_unions(sorted_ranks, unions, counts, n, rows, live, first, B0 << l, CHUNK,
+                               WORDS, WORD_BITS)
 
 
 @triton.jit
-def column_count_kernel(nmap_t, counts, n, n_blocks, BLOCK: tl.constexpr):
-    """counts[v, p] = present entries of rows [p*BLOCK, (p+1)*BLOCK) in column v of the
-    transposed map nmap_t [V, n]. Grid (n_blocks, V)."""
-    p, v = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    rows = p * BLOCK + tl.arange(0, BLOCK)
-    entry = tl.load(nmap_t + v * n + rows, mask=rows < n, other=MISSING)
-    tl.store(counts + v * n_blocks + p, tl.sum((entry != MISSING).to(tl.int32), axis=0))
+def compact_offsets_kernel(unions, scan, valid_kernel, segs, n, WORDS: tl.constexpr,
+                           WORD_BITS: tl.constexpr, B0: tl.constexpr, LEVELS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """Each block's offsets (set bits of its union, ascending) at valid_kernel[scan[entry - 1]:],
+    and the valid_kernel_seg of block size B0 << l at segs[first_l + l:][:n_blocks_l + 1],
+    relative to that size's first offset (first_l: its first entry)."""
+    MASK_BITS: tl.constexpr = WORD_BITS - 1
+    DT: tl.constexpr = unions.dtype.element_ty
+    entry = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    block = tl.zeros([BLOCK], tl.int64)      # index within its block size
+    seg_at = tl.zeros([BLOCK], tl.int64)     # where its block size's seg starts
+    level_start = tl.zeros([BLOCK], tl.int64)
+    first = 0
+    for l in tl.static_range(LEVELS):
+        n_blocks = (n + (B0 << l) - 1) // (B0 << l)
+        here = (entry >= first) & (entry < first + n_blocks)
+        block = tl.where(here, entry - first, block)
+        seg_at = tl.where(here, first + l, seg_at)
+        if l > 0:
+            level_start = tl.where(here, tl.load(scan + first - 1), level_start)
+        first += n_blocks
+    live = entry < first
+    start = tl.load(scan + entry - 1, mask=live & (entry > 0), other=0)
+    end = tl.load(scan + entry, mask=live, other=0)
+    tl.store(segs + seg_at + block + 1, (end - level_start).to(tl.int32), mask=live)
+    tl.store(segs + seg_at, tl.zeros([BLOCK], tl.int32), mask=live & (block == 0))
+    lane = tl.arange(0, WORD_BITS)
+    for w in tl.static_range(WORDS):
+        word = tl.load(unions + entry * WORDS + w, mask=live, other=0)
+        bits = ((word[:, None] >> lane.to(DT)[None, :]) & 1).to(tl.int32)
+        at = start[:, None] + (tl.cumsum(bits, axis=1) - bits)
+        tl.store(valid_kernel + at, w * MASK_BITS + lane[None, :] + 0 * bits, mask=bits != 0)
+        start += tl.sum(bits, axis=1)
 
 
-@triton.jit
-def column_pairs_kernel(nmap_t, starts, in_rows, out_rows, n, n_blocks, BLOCK: tl.constexpr):
-    """Pairs (nmap_t[v, i], i) of column v, rows ascending, from starts[v, p] on: the
-    column-wise nonzero. Grid (n_blocks, V)."""
-    p, v = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    rows = p * BLOCK + tl.arange(0, BLOCK)
-    entry = tl.load(nmap_t + v * n + rows, mask=rows < n, other=MISSING)
-    present = (entry != MISSING).to(tl.int32)
-    pos = tl.load(starts + v * n_blocks + p) + (tl.cumsum(present, axis=0) - present)
-    tl.store(in_rows + pos, entry, mask=present != 0)
-    tl.store(out_rows + pos, rows, mask=present != 0)
+@triton.jit(do_not_specialize=["pairs_at", "pairs_first"])
+def pairs_kernel(nmap, scan, in_rows, out_rows, seg, n, pairs_at, pairs_first, V: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """valid_signal: the pairs (nmap[i, v], i) of this program's rows i, per offset v, rows
+    ascending, at position scan[its entry - 1] - pairs_first (pairs_first: the scan before the
+    first pair entry). Program 0 also writes seg [V + 1]. Grid: the row blocks of gray_rank."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < n
+    for v in range(V):
+        entry = tl.load(nmap + rows * V + v, mask=live, other=MISSING)
+        present = (entry != MISSING).to(tl.int32)
+        at = pairs_at + v * programs + pid
+        start = tl.load(scan + at - 1, mask=at > 0, other=0) - pairs_first
+        pos = start + (tl.cumsum(present, axis=0) - present)
+        tl.store(in_rows + pos, entry, mask=present != 0)
+        tl.store(out_rows + pos, rows.to(tl.int32), mask=present != 0)
+        tl.store(seg + v, start.to(tl.int32), mask=pid == 0)
+    total = tl.load(scan + pairs_at + V * programs - 1) - pairs_first
+    tl.store(seg + V, total.to(tl.int32), mask=pid == 0)

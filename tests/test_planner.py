@@ -6,11 +6,12 @@ import torch
 from flexplan import ConvGeometry, build_plan
 from flexplan.kernel_configs import PLAN_BLOCK_SIZES
 from flexplan.plan import MISSING
-from flexplan.planner.hashmap import first_duplicate_row, submanifold_neighbor_map_triton
+from flexplan.planner.hashmap import coords_problems, submanifold_neighbor_map_triton
 from flexplan.planner.keys import key_dtype
 from flexplan.planner.offsets import kernel_offsets
 from flexplan.planner.reference import submanifold_neighbor_map_torch
 from flexplan.planner.segments import gather_map, valid_signal
+from flexplan.sparse_tensor import SparseTensorError, check_coords
 from flexplan.workloads import random_coords, sphere_shell
 
 # (spatial_shape, batch, kernel_size, dilation, voxels drawn): sizes not multiples of blocks.
@@ -106,7 +107,8 @@ def test_64bit_keys(device):
     assert key_dtype(BIG_SHAPE, BIG_BATCH) == torch.int64
     coords = _far_corner_coords(200, seed=3, device=device)
     geometry = ConvGeometry.make(3)
-    nmap = submanifold_neighbor_map_triton(coords, BIG_SHAPE, BIG_BATCH, geometry)
+    nmap, problems = submanifold_neighbor_map_triton(coords, BIG_SHAPE, BIG_BATCH, geometry)
+    assert problems.tolist() == [coords.shape[0]] * 2
     assert torch.equal(nmap, submanifold_neighbor_map_torch(coords, BIG_SHAPE, BIG_BATCH, geometry))
     assert torch.equal(nmap.cpu(), _neighbors_by_dict(coords.cpu(), BIG_SHAPE, geometry))
     assert (nmap != MISSING).sum() > 3 * coords.shape[0]  # the clump really has neighbours
@@ -126,11 +128,11 @@ def test_plan_invariants(shape, batch, kernel, dilation, n, device):
     _check_schedule(nmap, plan.fwd, signal)
 
 
-@pytest.mark.parametrize("volume", [27, 125])  # one and three Gray-rank words
-def test_schedule_backends_agree_on_any_map(volume, device):
+# volumes: one int32, one int64, two int64 rank words; 1100 rows: block sizes meet mid-program
+@pytest.mark.parametrize("volume,m", [(27, 157), (45, 157), (125, 157), (27, 1100)])
+def test_schedule_backends_agree_on_any_map(volume, m, device):
     """Non-symmetric maps (strided plans) too: random MISSING pattern and rows."""
     g = torch.Generator().manual_seed(volume)
-    m = 157
     nmap = torch.randint(0, 40, (m, volume), generator=g, dtype=torch.int32)
     nmap[torch.rand(m, volume, generator=g) < 0.6] = MISSING
     nmap[:5] = MISSING                                                       # empty rows too
@@ -166,18 +168,80 @@ def test_tiny_inputs(n, backend, device):
 
 def test_one_voxel_kernel(device):
     coords = _coords((4, 4, 4), 1, 20, seed=1, device=device)
-    nmap = submanifold_neighbor_map_triton(coords, (4, 4, 4), 1, ConvGeometry.make(1))
+    nmap, _ = submanifold_neighbor_map_triton(coords, (4, 4, 4), 1, ConvGeometry.make(1))
     assert torch.equal(nmap.cpu().view(-1), torch.arange(coords.shape[0], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("shape,batch", [((9, 9, 9), 2), (BIG_SHAPE, BIG_BATCH)])
-def test_hash_insert_finds_duplicates(shape, batch, device):
+def test_hash_insert_finds_problems(shape, batch, device):
     coords = _far_corner_coords(60, 5, device) if batch == BIG_BATCH else \
         _coords(shape, batch, 60, seed=5, device=device)
     n = coords.shape[0]
-    assert first_duplicate_row(coords, shape, batch).item() == n
+    assert coords_problems(coords, shape, batch).tolist() == [n, n]
     repeated = torch.cat([coords[:4], coords[2:3], coords[4:]])
-    assert first_duplicate_row(repeated, shape, batch).item() in (2, 4)
+    assert coords_problems(repeated, shape, batch).tolist()[1] in (2, 4)
+    outside = coords.clone()
+    outside[[7, 9], 0] = batch                                               # batch too large
+    outside[12, 3] = -1
+    assert coords_problems(outside, shape, batch).tolist()[0] == 7
+
+
+def _message(fn):
+    with pytest.raises(SparseTensorError) as info:
+        fn()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("shape,batch", [((9, 9, 9), 2), (BIG_SHAPE, BIG_BATCH)])
+@pytest.mark.parametrize("problem", ["duplicate", "batch", "negative", "edge"])
+def test_checked_triton_build_raises_like_check_coords(shape, batch, problem, device):
+    """The Triton build checks within its hash inserts; the errors are check_coords' own."""
+    coords = _far_corner_coords(60, 5, "cpu") if batch == BIG_BATCH else \
+        _coords(shape, batch, 60, seed=5, device="cpu")
+    if problem == "duplicate":
+        coords = torch.cat([coords[:30], coords[11:12], coords[30:]])
+    elif problem == "batch":
+        coords[[17, 40], 0] = batch
+    elif problem == "negative":  # its key would be -1, the empty-slot marker
+        coords[17] = torch.tensor([-1, shape[0] - 1, shape[1] - 1, shape[2] - 1])
+    else:
+        coords[[23, 50], 2] = shape[1]
+    coords = coords.to(device)
+    expected = _message(lambda: check_coords(coords, shape, batch))
+    assert expected.startswith("duplicate" if problem == "duplicate" else "coords row")
+    for geometry in (ConvGeometry.make(3), ConvGeometry.make(1)):
+        assert _message(lambda: build_plan(coords, shape, batch, geometry, backend="triton")) == expected
+    build_plan(coords, shape, batch, ConvGeometry.make(3), backend="triton", check=False)  # no crash
+
+
+def test_triton_build_syncs_once(monkeypatch, device):
+    """Every size the host needs, and the input checks, come back in one read."""
+    coords = _coords((10, 12, 9), 2, 300, seed=1, device=device)
+    geometry = ConvGeometry.make(3)
+    build_plan(coords, (10, 12, 9), 2, geometry, backend="triton")  # warm up
+    reads = []
+    for name in ("tolist", "item", "__int__", "__bool__", "__index__", "cpu", "numpy"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name, **k:
+                            reads.append(_name) or _real(self, *a, **k))
+    build_plan(coords, (10, 12, 9), 2, geometry, backend="triton")
+    monkeypatch.undo()
+    assert reads == ["tolist"]
+
+
+def test_triton_schedule_block_sizes(device):
+    """Any block sizes doubling from a power of two; others are refused."""
+    nmap = _neighbors_by_dict(_coords((6, 6, 6), 1, 90, seed=2, device="cpu"), (6, 6, 6),
+                              ConvGeometry.make(3)).to(device)
+    for sizes in [(32,), (8, 16), (256, 64, 128)]:
+        ga, gb = gather_map(nmap, sizes, backend="torch"), gather_map(nmap, sizes, backend="triton")
+        assert torch.equal(ga.sorted_idx, gb.sorted_idx)
+        for block in sizes:
+            assert torch.equal(ga.valid_kernel[block], gb.valid_kernel[block])
+            assert torch.equal(ga.valid_kernel_seg[block], gb.valid_kernel_seg[block])
+    for sizes in [(16, 48), (16, 64), (24, 48)]:
+        with pytest.raises(ValueError, match="doubling"):
+            gather_map(nmap, sizes, backend="triton")
 
 
 def test_unknown_backend():

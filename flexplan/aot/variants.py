@@ -36,7 +36,7 @@ REP_KERNEL_SIZES = (3, 5)
 KERNEL_PACKAGE = "flexplan.kernels_src"
 LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
 HASH_INSERT, HASH_SUBM_NMAP = "hash_insert", "submanifold_neighbor_map"
-SEGMENT_KERNELS = ("gray_rank", "block_union", "compact_rows", "column_count", "column_pairs")
+SEGMENT_KERNELS = ("gray_rank", "block_masks", "compact_offsets", "pairs")
 PLAN_HASH = "plan_hash"
 # Kernels: short name -> "module:attribute" in KERNEL_PACKAGE.
 KERNELS = {
@@ -178,43 +178,45 @@ def planner_variants() -> Iterator[Variant]:
     """The launches of flexplan.planner.hashmap: table build and submanifold neighbour map."""
     from ..planner.hashmap import _INSERT_BLOCK, _LOOKUP_BLOCK
 
-    i32 = ("tensor", "int32")
+    i32, i64 = ("tensor", "int32"), ("tensor", "int64")
     for key_64, n, size in itertools.product((False, True), REP_ROWS[:2],
                                              itertools.product(REP_GRID_SIZES, repeat=3)):
-        common = dict(table_keys=("tensor", "int64"), table_vals=i32, coords=i32, n=n,
-                      slot_mask=(1 << 12) - 1, size_x=size[0], size_y=size[1], size_z=size[2])
-        yield make_variant(HASH_INSERT, dict(common, first_dup=i32),
-                           dict(KEY_64=key_64, BLOCK=_INSERT_BLOCK))
+        common = dict(table_keys=i64, table_vals=i32, coords=i32, nmap=i32, n=n,
+                      slot_mask=(1 << 12) - 1, batch_size=2, size_x=size[0], size_y=size[1],
+                      size_z=size[2])
+        for k in (1,) + REP_KERNEL_SIZES:  # 1: coords_problems
+            yield make_variant(HASH_INSERT, dict(common, problems=i64),
+                               dict(V=k ** 3, KEY_64=key_64, BLOCK=_INSERT_BLOCK))
         for k in REP_KERNEL_SIZES:
-            yield make_variant(HASH_SUBM_NMAP, dict(common, nmap=i32), dict(
+            yield make_variant(HASH_SUBM_NMAP, common, dict(
                 KX=k, KY=k, KZ=k, DX=1, DY=1, DZ=1, KEY_64=key_64, BLOCK=_LOOKUP_BLOCK))
 
 
 def segment_variants() -> Iterator[Variant]:
     """The launches of flexplan.planner.segments_triton (Gray-code order, per-block offsets,
     grad-weight pairs) and of the plan cache's coordinate hash (flexplan.cache.key)."""
-    import triton
-
     from ..cache.key import _TRITON_BLOCK
     from ..planner import segments_triton as seg
-    from ..planner.segments import _WORD_BITS
+    from ..planner.segments import rank_words
 
-    i8, i32, i64 = ("tensor", "int8"), ("tensor", "int32"), ("tensor", "int64")
+    i32, i64 = ("tensor", "int32"), ("tensor", "int64")
+    smallest, levels = seg.block_levels(PLAN_BLOCK_SIZES)
     for m, k in itertools.product(REP_ROWS, REP_KERNEL_SIZES):
         v = k ** 3
-        vp = triton.next_power_of_2(v)
-        yield make_variant("gray_rank", dict(nmap=i32, ranks=i64, n=m), dict(
-            V=v, NUM_WORDS=-(-v // _WORD_BITS), BLOCK=seg._RANK_BLOCK))
-        for block in PLAN_BLOCK_SIZES:
-            yield make_variant("block_union", dict(nmap=i32, order=i64, union=i8, n=m), dict(
-                V=v, VP=vp, B=block, GROUP=max(1, seg._ROWS_PER_PROGRAM // block)))
-            yield make_variant("compact_rows", dict(flags=i8, starts=i32, out=i32, rows_total=-(-m // block)),
-                               dict(V=v, VP=vp, BLOCK=seg._COMPACT_BLOCK))
-        n_blocks = -(-m // seg._PAIRS_BLOCK)
-        yield make_variant("column_count", dict(nmap_t=i32, counts=i32, n=m, n_blocks=n_blocks),
-                           dict(BLOCK=seg._PAIRS_BLOCK))
-        yield make_variant("column_pairs", dict(nmap_t=i32, starts=i64, in_rows=i32, out_rows=i32, n=m,
-                                                n_blocks=n_blocks), dict(BLOCK=seg._PAIRS_BLOCK))
+        bits, dtype, words = rank_words(v)
+        word = ("tensor", str(dtype).removeprefix("torch."))
+        n_blocks = sum(-(-m // (smallest << l)) for l in range(levels))
+        words_constexprs = dict(WORDS=words, WORD_BITS=bits)
+        level_constexprs = dict(words_constexprs, B0=smallest, LEVELS=levels)
+        yield make_variant("gray_rank", dict(nmap=i32, ranks=word, counts=i32, n=m, pairs_at=n_blocks),
+                           dict(words_constexprs, V=v, BLOCK=seg._ROW_BLOCK))
+        yield make_variant("block_masks", dict(sorted_ranks=word, order=i64, sorted_idx=i32, unions=word,
+                                               counts=i32, n=m), level_constexprs)
+        yield make_variant("compact_offsets", dict(unions=word, scan=i64, valid_kernel=i32, segs=i32, n=m),
+                           dict(level_constexprs, BLOCK=seg._COMPACT_BLOCK))
+        yield make_variant("pairs", dict(nmap=i32, scan=i64, in_rows=i32, out_rows=i32, seg=i32, n=m,
+                                         pairs_at=n_blocks, pairs_first=n_blocks * v),
+                           dict(V=v, BLOCK=seg._ROW_BLOCK))
     for m in REP_ROWS:
         yield make_variant(PLAN_HASH, dict(words_ptr=i64, partial_ptr=i64, n_words=m), dict(BLOCK=_TRITON_BLOCK))
 

@@ -19,7 +19,7 @@ from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..plan import MISSING, ConvPlan
 from .keys import pack_coords, unpack_keys
 from .offsets import kernel_offsets
-from .segments import gather_map, valid_signal
+from .segments import gather_map, plan_schedule
 
 
 def output_spatial_shape(spatial_shape, geometry: ConvGeometry) -> tuple[int, int, int]:
@@ -80,11 +80,11 @@ def generative_plan(coords: torch.Tensor, spatial_shape: tuple[int, int, int], b
     fwd[out_rows, taps] = rows.to(torch.int32)
     bwd = torch.full((n_in, v), MISSING, dtype=torch.int32, device=coords.device)
     bwd[rows, taps] = out_rows.to(torch.int32)
-    sig_i, sig_o, sig_seg = valid_signal(fwd)
+    fwd_map, (sig_i, sig_o, sig_seg), _ = plan_schedule(fwd, PLAN_BLOCK_SIZES)
     return ConvPlan(
         geometry=geometry, batch_size=batch_size, in_spatial_shape=tuple(spatial_shape),
         out_spatial_shape=out_shape, num_in=n_in, num_out=n_out,
-        out_coords=unpack_keys(out_keys, out_shape), fwd=gather_map(fwd, PLAN_BLOCK_SIZES),
+        out_coords=unpack_keys(out_keys, out_shape), fwd=fwd_map,
         bwd=gather_map(bwd, PLAN_BLOCK_SIZES),
         valid_signal_i=sig_i, valid_signal_o=sig_o, valid_signal_seg=sig_seg)
 

@@ -1,46 +1,50 @@
 """From a neighbour map to the masked-GEMM schedule: Gray-code order, per-block valid offsets,
-and per-offset (input, output) pairs. Plain torch ops, shared by every planner backend."""
+and per-offset (input, output) pairs. Plain torch ops (the CPU path and the test oracle); the
+same schedule on the GPU is segments_triton.py."""
 from __future__ import annotations
 
 import torch
 
 from ..plan import MISSING, GatherMap
 
-# Mask bits per int64 word; 62 keeps every word positive so signed sorting is unsigned order.
-_WORD_BITS = 62
+
+def rank_words(volume: int) -> tuple[int, torch.dtype, int]:
+    """(bits, dtype, count) of the words holding a Gray rank of `volume` offsets, least
+    significant first, bits - 1 mask bits per word so that every word is positive (signed
+    sorting is then unsigned order): one int32 word up to 31 offsets (a cheaper radix sort),
+    else int64 words."""
+    bits, dtype = (32, torch.int32) if volume <= 31 else (64, torch.int64)
+    return bits, dtype, -(-volume // (bits - 1))
 
 
-def gray_rank_words(present: torch.Tensor) -> list[torch.Tensor]:
-    """Rank of each row of the bool [M, V] mask in the reflected Gray code, as int64 words of
-    _WORD_BITS bits, least significant first: the inverse Gray code of the mask read as a big
-    integer (offset V-1 most significant), i.e. bit i of the rank is the XOR of mask bits >= i.
+def gray_rank_words(present: torch.Tensor) -> torch.Tensor:
+    """[words, M]: rank of each row of the bool [M, V] mask in the reflected Gray code, in the
+    words rank_words(V) gives: the inverse Gray code of the mask read as a big integer (offset
+    V-1 most significant), i.e. bit i of the rank is the XOR of mask bits >= i.
     """
     m, v = present.shape
-    ranks = []
+    bits, dtype, count = rank_words(v)
+    mask_bits = bits - 1
+    ranks = torch.empty((count, m), dtype=dtype, device=present.device)
     carry = torch.zeros(m, dtype=torch.int64, device=present.device)
-    all_ones = (1 << _WORD_BITS) - 1
-    for start in reversed(range(0, v, _WORD_BITS)):  # most significant word first
-        bits = present[:, start:start + _WORD_BITS].to(torch.int64)
-        word = (bits << torch.arange(bits.shape[1], device=bits.device)).sum(dim=1)
+    for w in reversed(range(count)):  # most significant word first
+        chunk = present[:, w * mask_bits:(w + 1) * mask_bits].to(torch.int64)
+        word = (chunk << torch.arange(chunk.shape[1], device=chunk.device)).sum(dim=1)
         for shift in (1, 2, 4, 8, 16, 32):  # prefix XOR from the top bit down
             word = word ^ (word >> shift)
-        word = word ^ (carry * all_ones)  # parity of the higher words flips every bit here
+        word = word ^ (carry * ((1 << mask_bits) - 1))  # parity of the words above flips all bits
         carry = word & 1
-        ranks.append(word)
-    return ranks[::-1]
+        ranks[w] = word
+    return ranks
 
 
-def sort_by_rank_words(ranks: list[torch.Tensor], volume: int) -> torch.Tensor:
-    """Stable permutation sorting rows by their multi-word rank (words least significant first)."""
-    m = ranks[0].numel() if ranks else 0
-    order = torch.arange(m, device=ranks[0].device if ranks else None)
-    if m == 0:
-        return order
-    if volume <= 31:  # the rank fits in int32: a cheaper radix sort, same permutation
-        return torch.sort(ranks[0].to(torch.int32), stable=True).indices
-    for rank in ranks:  # stable sorts from the least significant word upward
-        order = order[torch.sort(rank[order], stable=True).indices]
-    return order
+def sort_by_rank(ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted ranks, order): stable sort of rows by their multi-word rank [words, M]."""
+    values, order = torch.sort(ranks[0], stable=True)
+    for rank in ranks[1:]:  # stable sorts from the least significant word upward
+        values, step = torch.sort(rank[order], stable=True)
+        order = order[step]
+    return (values[None] if ranks.shape[0] == 1 else ranks[:, order]), order
 
 
 def gray_code_order(present: torch.Tensor) -> torch.Tensor:
@@ -49,10 +53,7 @@ def gray_code_order(present: torch.Tensor) -> torch.Tensor:
     Neighbouring rows in that order differ in few offsets, so a block of them shares most of its
     offsets and the masked kernel skips the rest.
     """
-    m, v = present.shape
-    if m == 0:
-        return torch.arange(0, device=present.device)
-    return sort_by_rank_words(gray_rank_words(present), v)
+    return sort_by_rank(gray_rank_words(present))[1]
 
 
 def block_valid_offsets(present_sorted: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +75,22 @@ def _use_triton(neighbor_map: torch.Tensor, backend: str) -> bool:
     return backend == "triton" or (backend == "auto" and neighbor_map.is_cuda)
 
 
+def plan_schedule(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...], backend: str = "auto",
+                  flags: torch.Tensor | None = None):
+    """(GatherMap, valid_signal's triple, flags as ints): the whole schedule of one map.
+
+    flags: a small int tensor on the map's device (e.g. the build's input checks) to read in
+    the same host sync as the schedule's own sizes; None gives None. The Triton path makes one
+    host sync in all.
+    """
+    if _use_triton(neighbor_map, backend):
+        from .segments_triton import plan_schedule_triton
+
+        return plan_schedule_triton(neighbor_map, block_sizes, signal=True, flags=flags)
+    return (gather_map(neighbor_map, block_sizes, "torch"), valid_signal(neighbor_map, "torch"),
+            None if flags is None else flags.tolist())
+
+
 def gather_map(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],
                backend: str = "auto") -> GatherMap:
     """Schedule the masked kernels for one neighbour map.
@@ -82,9 +99,9 @@ def gather_map(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],
     "auto" (Triton on a GPU).
     """
     if _use_triton(neighbor_map, backend):
-        from .segments_triton import gather_map_triton
+        from .segments_triton import plan_schedule_triton
 
-        return gather_map_triton(neighbor_map, block_sizes)
+        return plan_schedule_triton(neighbor_map, block_sizes, signal=False)[0]
     present = neighbor_map != MISSING
     order = gray_code_order(present)
     present_sorted = present[order]
@@ -98,9 +115,9 @@ def valid_signal(neighbor_map: torch.Tensor,
                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input rows, output rows, seg [V + 1]) of all pairs, grouped by offset, ascending rows."""
     if _use_triton(neighbor_map, backend):
-        from .segments_triton import valid_signal_triton
+        from .segments_triton import plan_schedule_triton
 
-        return valid_signal_triton(neighbor_map)
+        return plan_schedule_triton(neighbor_map, (), signal=True)[1]
     v = neighbor_map.shape[1]
     offset, out_rows = (neighbor_map.t() != MISSING).nonzero(as_tuple=True)
     in_rows = neighbor_map[out_rows, offset]

@@ -1,7 +1,14 @@
-"""Triton path of segments.py: the same schedule, read straight from the int32 neighbour map.
+"""Triton path of segments.py: the same schedule, read straight from the int32 neighbour map,
+with one host sync.
 
-Each step is one or two kernels plus small torch reductions; the only host syncs are the two
-output sizes (all block sizes' valid_kernel lengths at once, and the number of pairs).
+Gray ranks hold the offset masks losslessly, so after the sort the offset unions of the blocks
+of every block size come from the sorted ranks in one pass. Every size the host needs comes out
+of one prefix sum over one count buffer (layout: kernels_src/plan_segments.py): the offsets of
+each block, then the pairs of each (offset, row block). The scan also places each block's
+offsets and each pair, so after the one sync (the sums at the segment ends, plus the caller's
+flags) two kernels write the outputs.
+
+Launches: gray ranks, sort, block unions, scan, read, offsets, pairs.
 """
 from __future__ import annotations
 
@@ -10,12 +17,10 @@ import triton
 
 from ..launcher import launch
 from ..plan import GatherMap
-from .segments import _WORD_BITS, sort_by_rank_words
+from .segments import gather_map, rank_words, sort_by_rank, valid_signal
 
-_RANK_BLOCK = 128
-_ROWS_PER_PROGRAM = 128  # union: blocks of B rows per program = this // B
+_ROW_BLOCK = 128  # rows per program of gray_rank and pairs (pairs are counted per row block)
 _COMPACT_BLOCK = 64
-_PAIRS_BLOCK = 1024
 
 
 def _kernels():
@@ -24,88 +29,70 @@ def _kernels():
     return plan_segments
 
 
-def gray_code_order_triton(neighbor_map: torch.Tensor) -> torch.Tensor:
-    """segments.gray_code_order(neighbor_map != MISSING), without building the mask."""
+def block_levels(block_sizes: tuple[int, ...]) -> tuple[int, int]:
+    """(smallest, count): the sizes must double from a power of two, so that one program's
+    rows hold whole blocks of every size."""
+    sizes = sorted(block_sizes)
+    if sizes[0] & (sizes[0] - 1) or sizes != [sizes[0] << l for l in range(len(sizes))]:
+        raise ValueError(f"Triton schedule needs block sizes doubling from a power of two, got "
+                         f"{tuple(block_sizes)}")
+    return sizes[0], len(sizes)
+
+
+def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...], signal: bool,
+                         flags: torch.Tensor | None = None):
+    """segments.plan_schedule: (GatherMap or None without block sizes, the valid_signal triple or
+    None without signal, flags as ints or None)."""
     m, v = neighbor_map.shape
-    words = -(-v // _WORD_BITS)
-    ranks = torch.empty((words, m), dtype=torch.int64, device=neighbor_map.device)
-    if m:
-        launch(_kernels().gray_rank_kernel, (triton.cdiv(m, _RANK_BLOCK),), neighbor_map, ranks, m,
-               V=v, NUM_WORDS=words, BLOCK=_RANK_BLOCK)
-    return sort_by_rank_words(list(ranks), v)
-
-
-def _block_unions(neighbor_map: torch.Tensor, order: torch.Tensor,
-                  block_sizes: tuple[int, ...]) -> dict[int, torch.Tensor]:
-    """bool [ceil(M / B), V] union of each block's offsets, per block size. Sizes that are
-    multiples of the smallest one are merged from its unions instead of re-reading the map."""
-    m, v = neighbor_map.shape
-    base = min(block_sizes)
-    unions = {}
-    for block in sorted(block_sizes):
-        n_blocks = -(-m // block)
-        if block % base == 0 and base in unions:
-            fine = unions[base]
-            factor = block // base
-            padded = fine.new_zeros((n_blocks * factor, v))
-            padded[:fine.shape[0]] = fine
-            unions[block] = padded.view(n_blocks, factor, v).any(dim=1)
-            continue
-        union = torch.empty((n_blocks, v), dtype=torch.int8, device=neighbor_map.device)
-        group = max(1, _ROWS_PER_PROGRAM // block)
-        if n_blocks:
-            launch(_kernels().block_union_kernel, (triton.cdiv(n_blocks, group),), neighbor_map,
-                   order, union, m, V=v, VP=triton.next_power_of_2(v), B=block, GROUP=group)
-        unions[block] = union.view(torch.bool)
-    return unions
-
-
-def _compact_rows(flags: torch.Tensor, starts: torch.Tensor, total: int) -> torch.Tensor:
-    """int32 column indices of the set entries of bool [R, V], row after row (row-wise nonzero)."""
-    rows, v = flags.shape
-    out = torch.empty(total, dtype=torch.int32, device=flags.device)
-    if rows:
-        launch(_kernels().compact_rows_kernel, (triton.cdiv(rows, _COMPACT_BLOCK),),
-               flags.view(torch.int8), starts, out, rows, V=v, VP=triton.next_power_of_2(v),
-               BLOCK=_COMPACT_BLOCK)
-    return out
-
-
-def gather_map_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...]) -> GatherMap:
-    neighbor_map = neighbor_map.contiguous()
-    order = gray_code_order_triton(neighbor_map)
-    unions = _block_unions(neighbor_map, order, block_sizes)
-    segs = {}
-    for block, union in unions.items():
-        seg = torch.zeros(union.shape[0] + 1, dtype=torch.int32, device=union.device)
-        seg[1:] = union.sum(dim=1).cumsum(0)
-        segs[block] = seg
-    totals = torch.stack([segs[b][-1] for b in block_sizes]).tolist()  # the one host sync
-    kernels = {b: _compact_rows(unions[b].contiguous(), segs[b], t)
-               for b, t in zip(block_sizes, totals)}
-    return GatherMap(neighbor_map, order.to(torch.int32), kernels, {b: segs[b] for b in block_sizes})
-
-
-def valid_signal_triton(neighbor_map: torch.Tensor):
-    """segments.valid_signal on the transposed map (columns contiguous): per-block column
-    counts, their prefix sums, then one coalesced scatter."""
-    m, v = neighbor_map.shape
+    if m == 0:  # nothing to launch
+        return (gather_map(neighbor_map, block_sizes, "torch") if block_sizes else None,
+                valid_signal(neighbor_map, "torch") if signal else None,
+                None if flags is None else flags.tolist())
+    kernels = _kernels()
     device = neighbor_map.device
-    nmap_t = neighbor_map.t().contiguous()
-    n_blocks = triton.cdiv(m, _PAIRS_BLOCK)
-    counts = torch.zeros((v, n_blocks), dtype=torch.int32, device=device)
-    if n_blocks:
-        launch(_kernels().column_count_kernel, (n_blocks, v), nmap_t, counts, m, n_blocks,
-               BLOCK=_PAIRS_BLOCK)
-    # Pairs of column v, block p start after all columns < v and blocks < p of column v.
-    starts = counts.view(-1).to(torch.int64).cumsum(0)
-    total = int(starts[-1]) if starts.numel() else 0  # the one host sync
-    starts -= counts.view(-1)
-    seg = torch.full((v + 1,), total, dtype=torch.int32, device=device)
-    seg[:v] = starts.view(v, n_blocks)[:, 0] if n_blocks else 0
-    in_rows = torch.empty(total, dtype=torch.int32, device=device)
-    out_rows = torch.empty(total, dtype=torch.int32, device=device)
-    if total:
-        launch(_kernels().column_pairs_kernel, (n_blocks, v), nmap_t, starts, in_rows, out_rows,
-               m, n_blocks, BLOCK=_PAIRS_BLOCK)
-    return in_rows, out_rows, seg
+    nmap = neighbor_map.contiguous()
+    smallest, levels = block_levels(block_sizes) if block_sizes else (1, 0)
+    level_blocks = [triton.cdiv(m, smallest << l) for l in range(levels)]
+    pairs_at = sum(level_blocks)
+    row_blocks = triton.cdiv(m, _ROW_BLOCK)
+    counts = torch.empty(pairs_at + v * row_blocks, dtype=torch.int32, device=device)
+    word_bits, word_dtype, words = rank_words(v)
+    ranks = torch.empty((words, m), dtype=word_dtype, device=device)
+    launch(kernels.gray_rank_kernel, (row_blocks,), nmap, ranks, counts, m, pairs_at, V=v,
+           WORDS=words, WORD_BITS=word_bits, BLOCK=_ROW_BLOCK)
+    if levels:
+        sorted_ranks, order = sort_by_rank(ranks)
+        sorted_idx = torch.empty(m, dtype=torch.int32, device=device)
+        unions = torch.empty((pairs_at, words), dtype=word_dtype, device=device)
+        launch(kernels.block_masks_kernel, (level_blocks[-1],), sorted_ranks, order, sorted_idx,
+               unions, counts, m, WORDS=words, WORD_BITS=word_bits, B0=smallest, LEVELS=levels)
+    scan = counts.cumsum(0)  # int64
+    ends = [sum(level_blocks[:l + 1]) for l in range(levels)] + [counts.numel()]
+    read = [] if flags is None else [flags.to(torch.int64)]
+    sums = torch.cat(read + [scan[e - 1:e] for e in ends]).tolist()  # the one host sync
+    flag_values, sums = (sums[:-len(ends)] if read else None), sums[-len(ends):]
+    offsets_total = sums[-2] if levels else 0
+
+    gmap = None
+    if levels:
+        valid_kernel = torch.empty(offsets_total, dtype=torch.int32, device=device)
+        segs = torch.empty(pairs_at + levels, dtype=torch.int32, device=device)
+        launch(kernels.compact_offsets_kernel, (triton.cdiv(pairs_at, _COMPACT_BLOCK),), unions,
+               scan, valid_kernel, segs, m, WORDS=words, WORD_BITS=word_bits, B0=smallest,
+               LEVELS=levels, BLOCK=_COMPACT_BLOCK)
+        bounds = [0] + sums[:levels]
+        firsts = [0] + ends[:-1]
+        gmap = GatherMap(
+            nmap, sorted_idx,
+            {smallest << l: valid_kernel[bounds[l]:bounds[l + 1]] for l in range(levels)},
+            {smallest << l: segs[firsts[l] + l:ends[l] + l + 1] for l in range(levels)})
+    pairs = None
+    if signal:
+        total = sums[-1] - offsets_total
+        in_rows = torch.empty(total, dtype=torch.int32, device=device)
+        out_rows = torch.empty(total, dtype=torch.int32, device=device)
+        seg = torch.empty(v + 1, dtype=torch.int32, device=device)
+        launch(kernels.pairs_kernel, (row_blocks,), nmap, scan, in_rows, out_rows, seg, m,
+               pairs_at, offsets_total, V=v, BLOCK=_ROW_BLOCK)
+        pairs = (in_rows, out_rows, seg)
+    return gmap, pairs, flag_values

@@ -1,12 +1,14 @@
 """Plan build time (submanifold 3x3x3): flexplan vs spconv 2.3's index generation, one GPU run.
 
-Sphere shells at R = 256, 512, 1024 (batch 1). flexplan: the whole build_plan (coords check,
-hash-table neighbour map, Gray-code sort, valid_kernel for every PLAN_BLOCK_SIZES entry,
-valid_signal) and each part alone; the torch backend for reference. spconv: the index
+Sphere shells at R = 256, 512, 1024 (batch 1). flexplan: the whole build_plan (hash-table
+neighbour map with the coords check on the way, Gray-code sort, valid_kernel for every
+PLAN_BLOCK_SIZES entry, valid_signal) and each part alone, plus the CUDA kernels / memory ops
+and host syncs of one build (torch.profiler); the torch backend for reference. spconv: the index
 generation SubMConv3d runs on its first call, get_indice_pairs_implicit_gemm (MaskImplicitGemm,
 training: forward and backward masks, mask argsort) and get_indice_pairs (native algorithm).
 Times: triton.testing.do_bench median ms (warm-up included). Also checks that the Triton plan
-equals the torch plan exactly. Writes scripts/results/bench_planner.md.
+equals the torch plan exactly, and records the GPU's dense fp16 rate (a throttled or shared GPU
+shows there). Writes scripts/results/bench_planner.md.
 
 Usage: python scripts/bench_planner.py [--sizes 256 512 1024]
 """
@@ -23,11 +25,11 @@ from flexplan import ConvGeometry, build_plan
 from flexplan.kernel_configs import PLAN_BLOCK_SIZES
 from flexplan.planner.hashmap import submanifold_neighbor_map_triton
 from flexplan.planner.reference import submanifold_neighbor_map_torch
-from flexplan.planner.segments import gather_map, valid_signal
+from flexplan.planner.segments import gather_map, plan_schedule, valid_signal
 from flexplan.sparse_tensor import check_coords
 from flexplan.workloads import sphere_shell
 
-from bench_common import today
+from bench_common import dense_fp16_tflops, today
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_planner.md")
 DATE = today()
@@ -41,6 +43,21 @@ def bench(fn):
 def plans_equal(a, b) -> bool:
     ta, tb = a.tensors(), b.tensors()
     return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def device_work(fn) -> tuple[int, int]:
+    """(CUDA kernels + memcpys + memsets, host syncs) of one call of fn, by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # compiled and cached before counting
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()  # a cudaDeviceSynchronize: not counted below
+    events = prof.events()
+    device = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
+    syncs = sum(e.name == "cudaStreamSynchronize" for e in events)
+    return device, syncs
 
 
 def spconv_timers(coords, r):
@@ -65,18 +82,18 @@ def spconv_timers(coords, r):
 def run_size(r):
     coords = sphere_shell(r, 1, device="cuda")
     shape = (r, r, r)
-    nmap = submanifold_neighbor_map_triton(coords, shape, 1, GEOMETRY)
+    nmap, _ = submanifold_neighbor_map_triton(coords, shape, 1, GEOMETRY)
     equal = plans_equal(build_plan(coords, shape, 1, GEOMETRY, backend="triton"),
                         build_plan(coords, shape, 1, GEOMETRY, backend="torch"))
     times = {
         "flexplan build_plan (check=True)": lambda: build_plan(coords, shape, 1, GEOMETRY),
         "flexplan build_plan (check=False)": lambda: build_plan(coords, shape, 1, GEOMETRY,
                                                                 check=False),
-        "  check_coords": lambda: check_coords(coords, shape, 1),
-        "  neighbour map (hash table)": lambda: submanifold_neighbor_map_triton(
+        "  neighbour map + coords check (hash table)": lambda: submanifold_neighbor_map_triton(
             coords, shape, 1, GEOMETRY),
-        "  gray sort + valid_kernel (all blocks)": lambda: gather_map(nmap, PLAN_BLOCK_SIZES),
-        "  valid_signal": lambda: valid_signal(nmap),
+        "  schedule: gray sort, valid_kernel (all blocks), valid_signal": lambda: plan_schedule(
+            nmap, PLAN_BLOCK_SIZES),
+        "check_coords alone (SparseTensor's check)": lambda: check_coords(coords, shape, 1),
         "torch backend build_plan": lambda: build_plan(coords, shape, 1, GEOMETRY,
                                                        backend="torch"),
         "  torch neighbour map": lambda: submanifold_neighbor_map_torch(coords, shape, 1,
@@ -93,6 +110,11 @@ def run_size(r):
         except Exception as e:  # keep the other rows; report the failure
             row[name] = f"failed: {type(e).__name__}: {e}"[:120]
         print(f"R={r} {name}: {row[name]}", flush=True)
+    for check in (True, False):
+        launches, syncs = device_work(lambda: build_plan(coords, shape, 1, GEOMETRY, check=check))
+        row[f"CUDA kernels + memops per build_plan (check={check})"] = launches
+        row[f"host syncs per build_plan (check={check})"] = syncs
+        print(f"R={r} check={check}: {launches} kernels + memops, {syncs} host syncs", flush=True)
     del nmap
     torch.cuda.empty_cache()
     return row
@@ -103,7 +125,9 @@ def write_report(rows, header):
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
     lines = ["# bench_planner: submanifold 3x3x3 plan build, flexplan vs spconv 2.3", "", header, "",
              "Sphere shells (flexplan.workloads.sphere_shell, batch 1). Median ms "
-             "(triton.testing.do_bench). Indented rows are parts of the row above.", "",
+             "(triton.testing.do_bench). Indented rows are parts of the row above. Kernels + "
+             "memops and host syncs: torch.profiler's CUDA events and cudaStreamSynchronize "
+             "calls of one build.", "",
              "| step | " + " | ".join(f"R={r['R']} (N={r['N']})" for r in rows) + " |",
              "|---|" + "---|" * len(rows)]
     for name in names:
@@ -130,8 +154,9 @@ def main():
         sp_version = spconv.__version__
     except ImportError:
         sp_version = "not installed"
-    header = (f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}; Triton "
-              f"{triton.__version__}; spconv {sp_version}; date {DATE}.")
+    header = (f"GPU {torch.cuda.get_device_name()} (dense fp16 {dense_fp16_tflops():.0f} TFLOPS "
+              f"measured); torch {torch.__version__}; Triton {triton.__version__}; spconv "
+              f"{sp_version}; date {DATE}.")
     print(header)
     write_report([run_size(r) for r in args.sizes], header)
 

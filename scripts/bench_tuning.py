@@ -102,7 +102,7 @@ def wrapper_launch(work, part, max_splits):
     masked = algo.startswith("masked")
     dest = torch.empty((max_splits, m, n), dtype=torch.float32, device=w.device)
     hook = None
-    vk = seg = gmap.neighbor_map  # unused unless masked
+    vk = seg = gmap.sorted_idx  # unused unless masked
     if masked:
         vk = torch.empty(max(t.numel() for t in gmap.valid_kernel.values()), dtype=torch.int32,
                          device=w.device)
@@ -113,7 +113,7 @@ def wrapper_launch(work, part, max_splits):
             bm = nargs["BLOCK_M"]
             vk[:gmap.valid_kernel[bm].numel()].copy_(gmap.valid_kernel[bm])
             seg[:gmap.valid_kernel_seg[bm].numel()].copy_(gmap.valid_kernel_seg[bm])
-    args = (src, w_nvk, w_nvk, gmap.neighbor_map, gmap.sorted_idx, vk, seg, dest, m, k, n, v)
+    args = (src, w_nvk, w_nvk, gmap.sorted_map_t, gmap.sorted_idx, vk, seg, dest, m, k, n, v)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])

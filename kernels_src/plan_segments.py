@@ -14,6 +14,9 @@ import triton
 import triton.language as tl
 
 MISSING = tl.constexpr(-1)
+# valid_kernel / valid_kernel_seg of each block size start at a multiple of 4 int32s: 16-byte
+# aligned pointers, the specialization the gather-GEMM's JIT and AOT binaries see.
+ALIGN = tl.constexpr(4)
 
 
 # Offsets into the count buffer take any value: specializing on them would only multiply binaries.
@@ -99,32 +102,47 @@ def block_masks_kernel(sorted_ranks, order, sorted_idx, unions, counts, n, WORDS
 
 
 @triton.jit
+def _aligned(count):
+    """count rounded up to ALIGN."""
+    return (count + ALIGN - 1) // ALIGN * ALIGN
+
+
+@triton.jit
 def compact_offsets_kernel(unions, scan, valid_kernel, segs, n, WORDS: tl.constexpr,
                            WORD_BITS: tl.constexpr, B0: tl.constexpr, LEVELS: tl.constexpr,
                            BLOCK: tl.constexpr):
-    """Each block's offsets (set bits of its union, ascending) at valid_kernel[scan[entry - 1]:],
-    and the valid_kernel_seg of block size B0 << l at segs[first_l + l:][:n_blocks_l + 1],
-    relative to that size's first offset (first_l: its first entry)."""
+    """valid_kernel and valid_kernel_seg of every block size, each block size's run starting at
+    a multiple of ALIGN: a block's offsets (set bits of its union, ascending) go to
+    scan[entry - 1] minus the scan before its block size's first entry plus that run's start."""
     MASK_BITS: tl.constexpr = WORD_BITS - 1
     DT: tl.constexpr = unions.dtype.element_ty
     entry = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    block = tl.zeros([BLOCK], tl.int64)      # index within its block size
-    seg_at = tl.zeros([BLOCK], tl.int64)     # where its block size's seg starts
-    level_start = tl.zeros([BLOCK], tl.int64)
-    first = 0
+    block = tl.zeros([BLOCK], tl.int64)        # index within its block size
+    seg_at = tl.zeros([BLOCK], tl.int64)       # where its block size's seg starts in segs
+    out_at = tl.zeros([BLOCK], tl.int64)       # where its block size's offsets start
+    level_start = tl.zeros([BLOCK], tl.int64)  # the scan before its block size's first entry
+    first = 0  # first entry of block size l
+    seg_first = 0
+    out_first = 0
+    scan_before = 0
     for l in tl.static_range(LEVELS):
         n_blocks = (n + (B0 << l) - 1) // (B0 << l)
         here = (entry >= first) & (entry < first + n_blocks)
         block = tl.where(here, entry - first, block)
-        seg_at = tl.where(here, first + l, seg_at)
-        if l > 0:
-            level_start = tl.where(here, tl.load(scan + first - 1), level_start)
+        seg_at = tl.where(here, seg_first, seg_at)
+        out_at = tl.where(here, out_first, out_at)
+        level_start = tl.where(here, scan_before, level_start)
+        scan_end = tl.load(scan + first + n_blocks - 1)
         first += n_blocks
+        seg_first += _aligned(n_blocks + 1)
+        out_first += _aligned(scan_end - scan_before)
+        scan_before = scan_end
     live = entry < first
-    start = tl.load(scan + entry - 1, mask=live & (entry > 0), other=0)
-    end = tl.load(scan + entry, mask=live, other=0)
-    tl.store(segs + seg_at + block + 1, (end - level_start).to(tl.int32), mask=live)
+    end = tl.load(scan + entry, mask=live, other=0) - level_start
+    start = tl.load(scan + entry - 1, mask=live & (entry > 0), other=0) - level_start
+    tl.store(segs + seg_at + block + 1, end.to(tl.int32), mask=live)
     tl.store(segs + seg_at, tl.zeros([BLOCK], tl.int32), mask=live & (block == 0))
+    start += out_at
     lane = tl.arange(0, WORD_BITS)
     for w in tl.static_range(WORDS):
         word = tl.load(unions + entry * WORDS + w, mask=live, other=0)

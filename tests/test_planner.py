@@ -99,6 +99,8 @@ def test_triton_plan_equals_torch_plan(shape, batch, kernel, dilation, n, device
     geometry = ConvGeometry.make(kernel, dilation)
     triton_plan = build_plan(coords, shape, batch, geometry, backend="triton")
     _plans_equal(triton_plan, build_plan(coords, shape, batch, geometry, backend="torch"))
+    for name, t in triton_plan.tensors().items():  # kernels specialize on 16-byte alignment
+        assert t.data_ptr() % 16 == 0, name
     assert torch.equal(triton_plan.fwd.neighbor_map.cpu(),
                        _neighbors_by_dict(coords.cpu(), shape, geometry))
 

@@ -29,6 +29,14 @@ def _kernels():
     return plan_segments
 
 
+def _aligned_starts(lengths: list[int], align: int) -> list[int]:
+    """Starts of runs of these lengths laid out at multiples of align, and the end."""
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + -(-length // align) * align)
+    return starts
+
+
 def block_levels(block_sizes: tuple[int, ...]) -> tuple[int, int]:
     """(smallest, count): the sizes must double from a power of two, so that one program's
     rows hold whole blocks of every size."""
@@ -75,17 +83,18 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
 
     gmap = None
     if levels:
-        valid_kernel = torch.empty(offsets_total, dtype=torch.int32, device=device)
-        segs = torch.empty(pairs_at + levels, dtype=torch.int32, device=device)
+        lengths = [b - a for a, b in zip([0] + sums, sums[:levels])]  # valid_kernel of each size
+        kernel_at = _aligned_starts(lengths, kernels.ALIGN.value)
+        seg_at = _aligned_starts([b + 1 for b in level_blocks], kernels.ALIGN.value)
+        valid_kernel = torch.empty(kernel_at[-1], dtype=torch.int32, device=device)
+        segs = torch.empty(seg_at[-1], dtype=torch.int32, device=device)
         launch(kernels.compact_offsets_kernel, (triton.cdiv(pairs_at, _COMPACT_BLOCK),), unions,
                scan, valid_kernel, segs, m, WORDS=words, WORD_BITS=word_bits, B0=smallest,
                LEVELS=levels, BLOCK=_COMPACT_BLOCK)
-        bounds = [0] + sums[:levels]
-        firsts = [0] + ends[:-1]
         gmap = GatherMap(
             nmap, sorted_idx,
-            {smallest << l: valid_kernel[bounds[l]:bounds[l + 1]] for l in range(levels)},
-            {smallest << l: segs[firsts[l] + l:ends[l] + l + 1] for l in range(levels)})
+            {smallest << l: valid_kernel[kernel_at[l]:][:lengths[l]] for l in range(levels)},
+            {smallest << l: segs[seg_at[l]:][:level_blocks[l] + 1] for l in range(levels)})
     pairs = None
     if signal:
         total = sums[-1] - offsets_total

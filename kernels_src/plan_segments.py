@@ -8,7 +8,8 @@ mask's inverse Gray code, so the mask comes back as rank ^ (rank >> 1).
 `counts` is one int32 buffer whose inclusive prefix sum `scan` (int64) places every output:
 entries [0, pairs_at) are the blocks of every block size (B0 << l for l < LEVELS, size after
 size), entries from pairs_at on are the pairs of each (offset v, row block p) at
-pairs_at + v * row_blocks + p. An entry's output starts at scan[entry - 1].
+pairs_at + v * row_blocks + p. An entry's output starts at scan[entry - 1] (0 for entry 0),
+less the scan before its segment's first entry.
 """
 import triton
 import triton.language as tl

@@ -75,15 +75,18 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         launch(kernels.block_masks_kernel, (level_blocks[-1],), sorted_ranks, order, sorted_idx,
                unions, counts, m, WORDS=words, WORD_BITS=word_bits, B0=smallest, LEVELS=levels)
     scan = counts.cumsum(0)  # int64
-    ends = [sum(level_blocks[:l + 1]) for l in range(levels)] + [counts.numel()]
+    # The one host sync: the caller's flags, the scan at the end of each block size's entries
+    # and at the end of the pair entries.
     read = [] if flags is None else [flags.to(torch.int64)]
-    sums = torch.cat(read + [scan[e - 1:e] for e in ends]).tolist()  # the one host sync
-    flag_values, sums = (sums[:-len(ends)] if read else None), sums[-len(ends):]
-    offsets_total = sums[-2] if levels else 0
+    ends = [sum(level_blocks[:l + 1]) for l in range(levels)] + [counts.numel()]
+    values = torch.cat(read + [scan[e - 1:e] for e in ends]).tolist()
+    flag_values = None if flags is None else values[:flags.numel()]
+    level_ends, pairs_end = values[len(values) - len(ends):-1], values[-1]
+    offsets_total = level_ends[-1] if levels else 0
 
     gmap = None
     if levels:
-        lengths = [b - a for a, b in zip([0] + sums, sums[:levels])]  # valid_kernel of each size
+        lengths = [b - a for a, b in zip([0] + level_ends, level_ends)]  # valid_kernel per size
         kernel_at = _aligned_starts(lengths, kernels.ALIGN.value)
         seg_at = _aligned_starts([b + 1 for b in level_blocks], kernels.ALIGN.value)
         valid_kernel = torch.empty(kernel_at[-1], dtype=torch.int32, device=device)
@@ -93,11 +96,11 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
                LEVELS=levels, BLOCK=_COMPACT_BLOCK)
         gmap = GatherMap(
             nmap, sorted_idx,
-            {smallest << l: valid_kernel[kernel_at[l]:][:lengths[l]] for l in range(levels)},
-            {smallest << l: segs[seg_at[l]:][:level_blocks[l] + 1] for l in range(levels)})
+            {smallest << l: valid_kernel.narrow(0, kernel_at[l], lengths[l]) for l in range(levels)},
+            {smallest << l: segs.narrow(0, seg_at[l], level_blocks[l] + 1) for l in range(levels)})
     pairs = None
     if signal:
-        total = sums[-1] - offsets_total
+        total = pairs_end - offsets_total
         in_rows = torch.empty(total, dtype=torch.int32, device=device)
         out_rows = torch.empty(total, dtype=torch.int32, device=device)
         seg = torch.empty(v + 1, dtype=torch.int32, device=device)

@@ -75,6 +75,8 @@ def launch(fn, grid, args: tuple, kwargs: dict) -> bool:
 
     device = torch.cuda.current_device()
     state = _state(fn, device)
+    if not state.in_bundle:  # JIT users pay no second binding per launch
+        return False
     # The options JITFunction.run adds before binding, so the specialization (and key) match.
     kwargs = dict(kwargs, debug=kwargs.get("debug", fn.debug) or knobs.runtime.debug,
                   instrumentation_mode=knobs.compilation.instrumentation_mode)
@@ -105,6 +107,7 @@ class _KernelState:
     target: object
     backend: object
     binder: object
+    in_bundle: bool  # an installed bundle holds this kernel's source
     kernels: dict = field(default_factory=dict)  # call key -> DirectKernel, or None: Triton's
 
 
@@ -119,7 +122,8 @@ def _state(fn, device: int) -> _KernelState:
         target = GPUTarget("cuda", major * 10 + minor, 32)  # what Triton's CUDA driver reports
         backend = make_backend(target)
         binder = create_function_from_signature(fn.signature, fn.params, backend)
-        state = _states[(id(fn), device)] = _KernelState(fn, target, backend, binder)
+        state = _states[(id(fn), device)] = _KernelState(fn, target, backend, binder,
+                                                         runtime.bundles_have(fn))
     return state
 
 

@@ -85,6 +85,12 @@ def load_index() -> dict[str, tuple[Bundle, dict]]:
         return _index
 
 
+def bundles_have(fn) -> bool:
+    """Whether an installed bundle holds this kernel's source (any variant of it)."""
+    load_index()
+    return source_hash(fn) in _sources.get(kernel_name(fn), ())
+
+
 def refused_bundles() -> list[str]:
     load_index()
     return list(_refused)

@@ -168,6 +168,8 @@ def _splitk_for(problem: Problem, tiles: int, k_iters: int, programs_per_sm: int
     return splitk
 
 
+# Memoized: every op call asks (a few microseconds each, several per forward + backward).
+@functools.lru_cache(maxsize=4096)
 def heuristic_config(family: str, problem: Problem) -> KernelConfig:
     """A reasonable config without tuning (the tuned tables, where present, override it).
 
@@ -205,6 +207,7 @@ def heuristic_config(family: str, problem: Problem) -> KernelConfig:
     return KernelConfig(bm, bn, bk, splitk, warps, stages)
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_algo(part: str, n: int, ci: int, co: int, v: int, dtype: str) -> str:
     """What algo="auto" runs. 16-bit forward / grad-input with wide channels on both sides:
     explicit (im2col + vendor GEMM). Otherwise masked implicit GEMM (with the sorted, transposed

@@ -88,11 +88,13 @@ class Policy:
         return build_seconds > STORE_MARGIN * self._load_estimate(device_type, nbytes)
 
     def build_beats_any_load(self, device_type: str, work: int) -> bool:
-        """A build timed on this device type is faster than the fixed latency of any load:
-        skip the disk (not even a header read), whatever file may be there."""
+        """A build timed on this device type beats loading even the smallest possible file
+        (the fixed latency plus the int32 neighbour map, 4 bytes per voxel-offset): skip the
+        disk, its header reads and its build lock, whatever file may be there."""
         per_unit = self.build_s_per_unit.get(device_type)
-        latency = _LOAD_LATENCY_S.get(device_type, _LOAD_LATENCY_S["cuda"])
-        return self.mode == "auto" and per_unit is not None and per_unit * work < latency
+        if self.mode != "auto" or per_unit is None:
+            return False
+        return per_unit * work < self._load_estimate(device_type, 4 * work)
 
     def worth_loading(self, device_type: str, work: int, nbytes: int, header: dict) -> bool:
         """Before a build, with a file of `nbytes` on disk: load it rather than rebuild?

@@ -79,7 +79,9 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, problems, n
     z = tl.load(base + 3, mask=live, other=0)
     inside = ((b >= 0) & (b < batch_size) & (x >= 0) & (x < size_x) & (y >= 0) & (y < size_y)
               & (z >= 0) & (z < size_z))
-    tl.atomic_min(problems + 0 * rows, rows.to(tl.int64), mask=live & ~inside)
+    # Relaxed atomics: only atomicity matters inside the kernel; the launch boundary publishes
+    # the table to the lookups (acq_rel would fence every probe).
+    tl.atomic_min(problems + 0 * rows, rows.to(tl.int64), mask=live & ~inside, sem="relaxed")
     # The map rows of this program are one contiguous run of BLOCK * V entries.
     run = nmap + tl.program_id(0).to(tl.int64) * BLOCK * V
     for c in range(V):
@@ -96,14 +98,14 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, problems, n
     while tl.max(active.to(tl.int32), axis=0) > 0:
         # atomic_cas has no mask: idle lanes swap their entry for itself, which changes nothing.
         expected = tl.where(active, -1, entry).to(entry.dtype)
-        prev = tl.atomic_cas(table_keys + slot, expected, entry)
+        prev = tl.atomic_cas(table_keys + slot, expected, entry, sem="relaxed")
         won = active & (prev == -1)
         if KEY_64:
             tl.store(table_vals + slot, rows, mask=won)
         else:
             prev = prev.to(tl.int32)  # its key half
         dup = active & ~won & (prev == key)
-        tl.atomic_min(problems + 1 + 0 * rows, rows.to(tl.int64), mask=dup)
+        tl.atomic_min(problems + 1 + 0 * rows, rows.to(tl.int64), mask=dup, sem="relaxed")
         active = active & ~won & ~dup
         slot = tl.where(active, (slot + 1) & slot_mask, slot)
 

@@ -109,6 +109,11 @@ CANDIDATE_AXES = {
 }
 
 
+# float64 tiles multiply-add on CUDA cores (kernels_src/conv_common.dot_acc): a BLOCK_K this
+# small keeps the [M, K, N] product of a 32 x 32 tile in registers.
+_FLOAT64_BLOCK_K = 8
+
+
 def _pow2_at_least(x: int, low: int = 16) -> int:
     return max(low, 1 << max(int(x) - 1, 0).bit_length())
 
@@ -183,7 +188,7 @@ def heuristic_config(family: str, problem: Problem) -> KernelConfig:
     m, k, n = problem.gemm_mkn
     if family == GATHER_GEMM:
         if problem.dtype == "float64":  # correctness path (gradcheck), not tuned
-            bm, bn, bk, warps, stages = 64, min(64, _pow2_at_least(n)), min(32, _pow2_at_least(k)), 4, 2
+            bm, bn, bk, warps, stages = 32, min(32, _pow2_at_least(n)), _FLOAT64_BLOCK_K, 4, 2
         else:
             wide = problem.element_bytes <= 2
             bn = 256 if n >= 256 else min(128, _pow2_at_least(n))
@@ -200,7 +205,7 @@ def heuristic_config(family: str, problem: Problem) -> KernelConfig:
         widest = max(bm, bn)
         bk = 256 if widest <= 32 else 128 if widest <= 64 else 64
         if problem.dtype == "float64":
-            bk = min(bk, 32)
+            bm, bn, bk = min(bm, 32), min(bn, 32), _FLOAT64_BLOCK_K
         warps, stages = 4, 3
         tiles = -(-m // bm) * -(-n // bn) * problem.v
         splitk = _splitk_for(problem, tiles, -(-k // bk), programs_per_sm=16)

@@ -12,6 +12,10 @@ _WIDEN_BF16_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 @triton.jit
 def dot_acc(a, b, acc, ALLOW_TF32: tl.constexpr):
     """acc + a @ b with the accumulator's precision; TF32 tensor cores only when allowed."""
+    if a.dtype == tl.float64:
+        # Multiply-adds on the CUDA cores: Triton 3.6 cannot lower a float64 tl.dot for sm_90,
+        # and float64 is the correctness path (gradcheck), run with small tiles.
+        return acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
     if _WIDEN_BF16_DOT and a.dtype == tl.bfloat16:
         a = a.to(tl.float32)
         b = b.to(tl.float32)

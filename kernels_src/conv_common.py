@@ -14,13 +14,15 @@ def dot_acc(a, b, acc, ALLOW_TF32: tl.constexpr):
     """acc + a @ b with the accumulator's precision; TF32 tensor cores only when allowed."""
     if a.dtype == tl.float64:
         # Multiply-adds on the CUDA cores: Triton 3.6 cannot lower a float64 tl.dot for sm_90,
-        # and float64 is the correctness path (gradcheck), run with small tiles.
-        return acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
-    if _WIDEN_BF16_DOT and a.dtype == tl.bfloat16:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if ALLOW_TF32:
-        acc = tl.dot(a, b, acc, input_precision="tf32")
+        # and float64 is the correctness path (gradcheck), run with small tiles. (if / else,
+        # not an early return: Triton 3.6 would still compile the tl.dot below.)
+        acc = acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
     else:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        if _WIDEN_BF16_DOT and a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if ALLOW_TF32:
+            acc = tl.dot(a, b, acc, input_precision="tf32")
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
     return acc

@@ -12,12 +12,18 @@ def today() -> str:
     return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
 
 
-def dense_fp16_tflops(n: int = 8192) -> float:
-    """Measured dense fp16 torch.mm rate: a shared or throttled GPU shows here first."""
+def dense_tflops(dtype=None, allow_tf32: bool = False, n: int = 8192) -> float:
+    """Measured dense torch.mm rate (fp16 unless told): a shared or throttled GPU shows here first."""
     import torch
     from triton.testing import do_bench
 
-    a = torch.randn(n, n, device="cuda", dtype=torch.float16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.float16)
-    ms = do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
+    dtype = dtype or torch.float16
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    try:
+        ms = do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
     return 2 * n ** 3 / ms / 1e9

@@ -29,7 +29,7 @@ from flexplan.planner.segments import gather_map, plan_schedule, valid_signal
 from flexplan.sparse_tensor import check_coords
 from flexplan.workloads import sphere_shell
 
-from bench_common import dense_fp16_tflops, today
+from bench_common import dense_tflops, today
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_planner.md")
 DATE = today()
@@ -154,7 +154,7 @@ def main():
         sp_version = spconv.__version__
     except ImportError:
         sp_version = "not installed"
-    header = (f"GPU {torch.cuda.get_device_name()} (dense fp16 {dense_fp16_tflops():.0f} TFLOPS "
+    header = (f"GPU {torch.cuda.get_device_name()} (dense fp16 {dense_tflops():.0f} TFLOPS "
               f"measured); torch {torch.__version__}; Triton {triton.__version__}; spconv "
               f"{sp_version}; date {DATE}.")
     print(header)

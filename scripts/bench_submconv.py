@@ -11,7 +11,6 @@ Usage: python scripts/bench_submconv.py [--quick] [--no-1024] [--cases R:C,...] 
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import sys
@@ -27,7 +26,7 @@ from flexplan.ops.sparse_conv import _gather_gemm, _resolve_algo, _wgrad, _dtype
 from flexplan.plan import MISSING
 from flexplan.workloads import sphere_shell
 
-from bench_common import today
+from bench_common import dense_tflops, today
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_submconv.md")
 DATE = today()
@@ -38,16 +37,6 @@ DTYPES = {"fp16": (torch.float16, False), "tf32": (torch.float32, True)}
 
 def bench(fn, rep=60):
     return do_bench(fn, warmup=15, rep=rep, return_mode="median")
-
-
-def dense_rate(dtype, allow_tf32):
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=dtype)
-    b = torch.randn(n, n, device="cuda", dtype=dtype)
-    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    ms = bench(lambda: a @ b)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    return 2 * n ** 3 / ms / 1e9
 
 
 def make_plan(coords, r):
@@ -285,7 +274,7 @@ def main(argv=None):
         sp_version = "not installed"
     header = [f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; Triton "
               f"{triton.__version__}; spconv {sp_version}; date {DATE}."]
-    rates = {name: dense_rate(*DTYPES[name]) for name in DTYPES}
+    rates = {name: dense_tflops(*DTYPES[name]) for name in DTYPES}
     header[0] += f" Dense fp16 torch.mm {rates['fp16']:.0f} TFLOP/s (the GPU's state in this run)."
     print(header[0], flush=True)
     cases = [(16, 1024), (64, 256), (128, 64)] if args.quick else CASES_WIDE + [

@@ -15,7 +15,6 @@ wall-clock timer, no autotune) that checks the script end to end.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import shutil

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import os
 import sys
 import tempfile

@@ -162,11 +162,13 @@ def _wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: b
 def _explicit_wgrad(grad_out, src, plan: ConvPlan, weight_shape):
     co, v, ci = weight_shape
     acc_dtype = torch.promote_types(src.dtype, torch.float32)
-    grad_w = src.new_zeros((co, v * ci))
+    grad_w = None  # no output rows: no chunks, a zero gradient
     for start, cols in _im2col_chunks(src, plan.fwd.neighbor_map):
         part = grad_out[start:start + cols.shape[0]].t() @ cols      # [Co, V * Ci]
         # One chunk is the answer; several sum in fp32 (fp64), not in a 16-bit dtype.
-        grad_w = part if start == 0 else grad_w.to(acc_dtype) + part
+        grad_w = part if grad_w is None else grad_w.to(acc_dtype) + part
+    if grad_w is None:
+        grad_w = src.new_zeros((co, v * ci))
     return grad_w.to(src.dtype).reshape(co, v, ci)
 
 

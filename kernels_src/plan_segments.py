@@ -155,22 +155,27 @@ def compact_offsets_kernel(unions, scan, valid_kernel, segs, n, WORDS: tl.conste
 
 @triton.jit(do_not_specialize=["pairs_at", "pairs_first"])
 def pairs_kernel(nmap, scan, in_rows, out_rows, seg, n, pairs_at, pairs_first, V: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, V_CHUNK: tl.constexpr):
     """valid_signal: the pairs (nmap[i, v], i) of this program's rows i, per offset v, rows
     ascending, at position scan[its entry - 1] - pairs_first (pairs_first: the scan before the
-    first pair entry). Program 0 also writes seg [V + 1]. Grid: the row blocks of gray_rank."""
+    first pair entry). Program 0 also writes seg [V + 1]. Grid: the row blocks of gray_rank.
+    A [BLOCK, V_CHUNK] tile of the map at a time: one load of whole map rows and one scan down
+    the rows for V_CHUNK offsets together."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = rows < n
-    for v in range(V):
-        entry = tl.load(nmap + rows * V + v, mask=live, other=MISSING)
+    for v0 in tl.static_range(0, V, V_CHUNK):
+        v = v0 + tl.arange(0, V_CHUNK)
+        v_ok = v < V
+        entry = tl.load(nmap + rows[:, None] * V + v[None, :], mask=live[:, None] & v_ok[None, :],
+                        other=MISSING)
         present = (entry != MISSING).to(tl.int32)
         at = pairs_at + v * programs + pid
-        start = tl.load(scan + at - 1, mask=at > 0, other=0) - pairs_first
-        pos = start + (tl.cumsum(present, axis=0) - present)
+        start = tl.load(scan + at - 1, mask=v_ok & (at > 0), other=0) - pairs_first
+        pos = start[None, :] + (tl.cumsum(present, axis=0) - present)
         tl.store(in_rows + pos, entry, mask=present != 0)
-        tl.store(out_rows + pos, rows.to(tl.int32), mask=present != 0)
-        tl.store(seg + v, start.to(tl.int32), mask=pid == 0)
+        tl.store(out_rows + pos, rows.to(tl.int32)[:, None] + 0 * present, mask=present != 0)
+        tl.store(seg + v, start.to(tl.int32), mask=v_ok & (pid + 0 * v == 0))
     total = tl.load(scan + pairs_at + V * programs - 1) - pairs_first
     tl.store(seg + V, total.to(tl.int32), mask=pid == 0)

@@ -14,8 +14,10 @@ from ..geometry import ConvGeometry
 from ..launcher import launch
 from .keys import EMPTY_KEY, key_dtype
 
-_INSERT_BLOCK = 256
-_LOOKUP_BLOCK = 256
+# H100 sweep (2026-11-23, R = 256 / 512 shells): small insert programs end their probe loops
+# sooner (each lane waits for the longest chain in its program); lookups prefer large ones.
+_INSERT_BLOCK = 128
+_LOOKUP_BLOCK = 512
 
 
 def table_capacity(n: int) -> int:

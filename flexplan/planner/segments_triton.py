@@ -23,10 +23,16 @@ _ROW_BLOCK = 128  # rows per program of gray_rank and pairs (pairs are counted p
 _COMPACT_BLOCK = 64
 
 
+
 def _kernels():
     from ..kernels_src import plan_segments
 
     return plan_segments
+
+
+def pairs_v_chunk(volume: int) -> int:
+    """Offsets per map tile of the pairs kernel: all 27 of a 3x3x3 kernel in one."""
+    return min(32, triton.next_power_of_2(volume))
 
 
 def _aligned_starts(lengths: list[int], align: int) -> list[int]:
@@ -105,6 +111,7 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         out_rows = torch.empty(total, dtype=torch.int32, device=device)
         seg = torch.empty(v + 1, dtype=torch.int32, device=device)
         launch(kernels.pairs_kernel, (row_blocks,), nmap, scan, in_rows, out_rows, seg, m,
-               pairs_at, offsets_total, V=v, BLOCK=_ROW_BLOCK)
+               pairs_at, offsets_total, V=v, BLOCK=_ROW_BLOCK,
+               V_CHUNK=pairs_v_chunk(v))
         pairs = (in_rows, out_rows, seg)
     return gmap, pairs, flag_values

@@ -66,6 +66,11 @@ def _sorted_masks(sorted_ranks, rows, live, n, w: tl.constexpr, WORDS: tl.conste
 
 
 @triton.jit
+def _bitwise_or(a, b):
+    return a | b
+
+
+@triton.jit
 def _block_unions(sorted_ranks, unions, counts, n, rows, live, first, B: tl.constexpr,
                   CHUNK: tl.constexpr, WORDS: tl.constexpr, WORD_BITS: tl.constexpr):
     """block_masks_kernel for one block size B: this program's blocks are entries first + k.
@@ -77,11 +82,10 @@ def _block_unions(sorted_ranks, unions, counts, n, rows, live, first, B: tl.cons
     count = tl.zeros([CHUNK // B], tl.int32)
     for w in tl.static_range(WORDS):
         masks = _sorted_masks(sorted_ranks, rows, live, n, w, WORDS, WORD_BITS - 1)
-        bits = ((masks[:, None] >> lane[None, :]) & 1).to(tl.int32)
-        union = tl.max(tl.reshape(bits, [CHUNK // B, B, WORD_BITS]), axis=1)
-        count += tl.sum(union, axis=1)
-        tl.store(unions + (first + block) * WORDS + w,
-                 tl.sum(union.to(DT) << lane[None, :], axis=1), mask=block < n_blocks)
+        # OR the words of each block's rows (one word per row); expand only the unions to bits.
+        union = tl.reduce(tl.reshape(masks, [CHUNK // B, B]), 1, _bitwise_or)
+        count += tl.sum(((union[:, None] >> lane[None, :]) & 1).to(tl.int32), axis=1)
+        tl.store(unions + (first + block) * WORDS + w, union, mask=block < n_blocks)
     tl.store(counts + first + block, count, mask=block < n_blocks)
     return n_blocks
 

@@ -32,6 +32,7 @@ _MAX_TMEM_COLUMNS = 512  # Triton's tensor-memory limit (it raises OutOfResource
 _UNKNOWN = object()
 _unavailable = _UNKNOWN
 _states: dict[tuple[int, int], _KernelState] = {}
+_not_bundled: set[int] = set()  # id() of kernels no installed bundle holds: always Triton's
 
 
 def unavailable() -> str | None:
@@ -64,19 +65,24 @@ def reset() -> None:
     global _unavailable
     _unavailable = _UNKNOWN
     _states.clear()
+    _not_bundled.clear()
 
 
 def launch(fn, grid, args: tuple, kwargs: dict) -> bool:
     """Run fn[grid](*args, **kwargs) from a bundle binary through the driver API; False when the
     call is left to Triton (nothing launched)."""
+    # JIT users (no bundle holds the kernel) return here, before any other per-launch cost.
+    if id(fn) in _not_bundled:
+        return False
+    if not runtime.bundles_have(fn):
+        _not_bundled.add(id(fn))  # kernels are module-level functions: their ids stay theirs
+        return False
     if unavailable() is not None or _triton_hooks_set(fn):
         return False
     from triton import knobs
 
     device = torch.cuda.current_device()
     state = _state(fn, device)
-    if not state.in_bundle:  # JIT users pay no second binding per launch
-        return False
     # The options JITFunction.run adds before binding, so the specialization (and key) match.
     kwargs = dict(kwargs, debug=kwargs.get("debug", fn.debug) or knobs.runtime.debug,
                   instrumentation_mode=knobs.compilation.instrumentation_mode)
@@ -107,7 +113,6 @@ class _KernelState:
     target: object
     backend: object
     binder: object
-    in_bundle: bool  # an installed bundle holds this kernel's source
     kernels: dict = field(default_factory=dict)  # call key -> DirectKernel, or None: Triton's
 
 
@@ -122,8 +127,7 @@ def _state(fn, device: int) -> _KernelState:
         target = GPUTarget("cuda", major * 10 + minor, 32)  # what Triton's CUDA driver reports
         backend = make_backend(target)
         binder = create_function_from_signature(fn.signature, fn.params, backend)
-        state = _states[(id(fn), device)] = _KernelState(fn, target, backend, binder,
-                                                         runtime.bundles_have(fn))
+        state = _states[(id(fn), device)] = _KernelState(fn, target, backend, binder)
     return state
 
 

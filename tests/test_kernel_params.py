@@ -8,16 +8,20 @@ import ctypes
 import pytest
 import torch
 
-from flexplan.aot.kernel_params import Unsupported, kernel_params, pack, param_bytes, ptx_param_bytes
+from flexplan.aot.kernel_params import ParamBlock, Unsupported, kernel_params, param_bytes, ptx_param_bytes
 
 SIGNATURE = {"x_ptr": "*fp16", "n": "i32", "BLOCK": "constexpr", "one": "constexpr", "offset": "i64",
              "scale": "fp32", "half": "fp16", "brain": "bf16", "flag": "i1", "out_ptr": "*i32"}
 
 
-def _read(params, values) -> list[int]:
-    """The bytes each void* of the block points to, as unsigned ints (what the kernel receives)."""
-    return [int.from_bytes(ctypes.string_at(address, ctypes.sizeof(value)), "little")
-            for address, value in zip(params, values)]
+def _packed(signature: dict, args: list, scratch: tuple[int, int]) -> list[int]:
+    """The bytes each void* of the packed block points to, as unsigned ints of the parameter's
+    size (what the kernel receives)."""
+    params = kernel_params(signature)
+    block = ParamBlock(params)  # owns the slots the pointers point at
+    pointers = block.pack(args, scratch)
+    return [int.from_bytes(ctypes.string_at(address, size), "little")
+            for address, size in zip(pointers, param_bytes(params), strict=True)]
 
 
 def test_constexprs_are_dropped_and_scratch_pointers_appended():
@@ -30,21 +34,25 @@ def test_constexprs_are_dropped_and_scratch_pointers_appended():
 def test_pack_passes_triton_3_6_c_values():
     x, out = torch.zeros(4, dtype=torch.float16), torch.zeros(4, dtype=torch.int32)
     args = [x, 7, 64, 1, -3, 0.5, 1.0, 1.0, True, out]
-    params, values = pack(kernel_params(SIGNATURE), args, (0, 0))
-    assert len(params) == len(values) == 10
-    got = _read(params, values)
+    got = _packed(SIGNATURE, args, (0, 0))
     assert got == [x.data_ptr(), 7, (-3) % 2**64, 0x3F000000, 0x3C00, 0x3F80, 1, out.data_ptr(), 0, 0]
 
 
 def test_bf16_truncates_like_triton():
     # 1 + 2**-8 + 2**-9 rounds up to 1 + 2**-7 in bf16, but Triton 3.6's pack_bf16 truncates.
-    params, values = pack(kernel_params({"b": "bf16"}), [1 + 2**-8 + 2**-9], (0, 0))
-    assert _read(params, values)[0] == 0x3F80
+    assert _packed({"b": "bf16"}, [1 + 2**-8 + 2**-9], (0, 0))[0] == 0x3F80
 
 
 def test_scratch_pointers_and_null_pointer():
-    params, values = pack(kernel_params({"p": "*fp32"}), [None], (0x1000, 0x2000))
-    assert _read(params, values) == [0, 0x1000, 0x2000]
+    assert _packed({"p": "*fp32"}, [None], (0x1000, 0x2000)) == [0, 0x1000, 0x2000]
+
+
+def test_a_block_packs_each_call_anew():
+    block = ParamBlock(kernel_params({"n": "i32", "p": "*i32"}))
+    first = list(block.pack([5, 0x10], (0, 0)))
+    assert list(block.pack([-1, 0x20], (1, 2))) == first  # same slots, new values
+    got = [int.from_bytes(ctypes.string_at(a, s), "little") for a, s in zip(first, (4, 8, 8, 8))]
+    assert got == [2**32 - 1, 0x20, 1, 2]
 
 
 @pytest.mark.parametrize("ty", [("*fp32", "i32"), "tensordesc<fp16[64, 64]>", "nvTmaDesc"])

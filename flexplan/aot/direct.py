@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,7 @@ import torch
 from . import runtime
 from .cuda_launch import CudaKernel, libcuda
 from .keys import kernel_name
-from .kernel_params import Unsupported, kernel_params, pack, param_bytes, ptx_param_bytes
+from .kernel_params import ParamBlock, Unsupported, kernel_params, param_bytes, ptx_param_bytes
 
 LAUNCH_ENV = "FLEXPLAN_AOT_LAUNCH"  # "triton": always launch through Triton's launcher
 DIRECT_TRITON = ("3.6.",)  # Triton versions whose launcher kernel_params / cuda_launch mirror
@@ -83,8 +84,9 @@ def launch(fn, grid, args: tuple, kwargs: dict) -> bool:
         kernel = state.kernels[key] = _resolve(fn, state, *call)
     if kernel is None or kernel is _ADOPT:
         return False
+    # The raw stream handle, as Triton's CUDA driver reads it (no Stream object per launch).
     kernel.launch(grid(bound) if callable(grid) else grid,
-                  torch.cuda.current_stream(state.device).cuda_stream, list(bound.values()))
+                  torch._C._cuda_getCurrentRawStream(state.device), list(bound.values()))
     return True
 
 
@@ -184,38 +186,44 @@ def _resolve(fn, state: _KernelState, kwargs, bound, specialization, options):
 
 
 class DirectKernel:
-    """A bundle binary loaded for one device, with its parameter layout and launch settings."""
+    """A binary loaded for one device, with its parameter block and launch settings."""
 
     def __init__(self, signature: dict, metadata: dict, cubin: bytes, binary_param_bytes, device: int):
-        self.params = kernel_params(signature)
+        params = kernel_params(signature)
         if binary_param_bytes is None:
             raise Unsupported("its bundle entry has no parameter layout (rebuild with `python -m aot`)")
-        if param_bytes(self.params) != binary_param_bytes:
-            raise Unsupported(f"parameter sizes {param_bytes(self.params)} differ from the binary's "
+        if param_bytes(params) != binary_param_bytes:
+            raise Unsupported(f"parameter sizes {param_bytes(params)} differ from the binary's "
                               f"{binary_param_bytes}")
         if metadata.get("tmem_size", 0) > _MAX_TMEM_COLUMNS:
             raise Unsupported(f"{metadata['tmem_size']} tensor-memory columns")
         self.metadata = metadata
+        self.block = ParamBlock(params)
+        self._lock = threading.Lock()  # one parameter block: one launch at a time packs it
+        self._scratch_kinds = [kind for kind in ("global", "profile") if metadata[f"{kind}_scratch_size"]]
         self.cuda = CudaKernel(cubin, metadata["name"], device, shared=metadata["shared"],
                                num_warps=metadata["num_warps"], num_ctas=metadata["num_ctas"],
                                cooperative=metadata["launch_cooperative_grid"], pdl=metadata["launch_pdl"])
 
     def launch(self, grid, stream: int, args: list) -> None:
-        from triton.runtime import _allocation
-
         grid = (*grid, 1, 1)[:3]
         blocks = grid[0] * grid[1] * grid[2] * self.cuda.num_ctas
         if blocks == 0:
             return  # Triton launches nothing for an empty grid
-        # Scratch buffers as Triton 3.6's CudaLauncher allocates them (kept alive over the launch).
-        global_ptr, _global = self._scratch("global", _allocation._allocator, blocks, stream)
-        profile_ptr, _profile = self._scratch("profile", _allocation._profile_allocator, blocks, stream)
-        params, _values = pack(self.params, args, (global_ptr, profile_ptr))
-        self.cuda.launch(grid, stream, params)
+        scratch, _buffers = self._scratch(blocks, stream) if self._scratch_kinds else ((0, 0), None)
+        with self._lock:
+            self.cuda.launch(grid, stream, self.block.pack(args, scratch))
 
-    def _scratch(self, kind: str, allocator, blocks: int, stream: int):
-        size = self.metadata[f"{kind}_scratch_size"]
-        if not size:
-            return 0, None
-        buffer = allocator.get()(blocks * size, self.metadata[f"{kind}_scratch_align"], stream)
-        return buffer.data_ptr(), buffer
+    def _scratch(self, blocks: int, stream: int):
+        """Scratch pointers as Triton 3.6's CudaLauncher allocates them, and the buffers (keep
+        them alive over the launch)."""
+        from triton.runtime import _allocation
+
+        allocators = {"global": _allocation._allocator, "profile": _allocation._profile_allocator}
+        pointers, buffers = {"global": 0, "profile": 0}, []
+        for kind in self._scratch_kinds:
+            buffer = allocators[kind].get()(blocks * self.metadata[f"{kind}_scratch_size"],
+                                            self.metadata[f"{kind}_scratch_align"], stream)
+            pointers[kind] = buffer.data_ptr()
+            buffers.append(buffer)
+        return (pointers["global"], pointers["profile"]), buffers

@@ -78,12 +78,35 @@ def param_bytes(params: list[Param]) -> list[int]:
     return [ctypes.sizeof(p.ctype) for p in params] + [ctypes.sizeof(ctypes.c_uint64)] * SCRATCH_POINTERS
 
 
-def pack(params: list[Param], args: list, scratch: tuple[int, int]):
-    """(void* array for cuLaunchKernelEx, the C values it points to: keep them alive until the
-    launch call returns) for the call's bound arguments (all of them, in argument order)."""
-    values = [p.ctype(p.encode(args[p.index]) if p.encode else args[p.index]) for p in params]
-    values += [ctypes.c_uint64(ptr) for ptr in scratch]
-    return (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values)), values
+# struct codes of the C types above, for packing a whole parameter block in one call.
+_CODE = {ctypes.c_int8: "b", ctypes.c_int16: "h", ctypes.c_int32: "i", ctypes.c_int64: "q",
+         ctypes.c_uint8: "B", ctypes.c_uint16: "H", ctypes.c_uint32: "I", ctypes.c_uint64: "Q",
+         ctypes.c_float: "f", ctypes.c_double: "d"}
+_SLOT = 8  # bytes per parameter slot: every C value above fits, at its natural alignment
+
+
+class ParamBlock:
+    """A kernel's parameter block, packed in place: one 8-byte slot per parameter in one buffer,
+    filled by one struct.pack_into (C speed), and the void* array of cuLaunchKernelEx pointing at
+    the slots; both made once per kernel. Not reentrant: hold a lock from pack to launch (the
+    driver copies the values during the launch call)."""
+
+    def __init__(self, params: list[Param]):
+        codes = [_CODE[p.ctype] for p in params] + [_CODE[ctypes.c_uint64]] * SCRATCH_POINTERS
+        self._struct = struct.Struct("<" + "".join(
+            f"{code}{_SLOT - struct.calcsize(code)}x" if struct.calcsize(code) < _SLOT else code
+            for code in codes))
+        self._getters = [(p.index, p.encode) for p in params]
+        self._buffer = ctypes.create_string_buffer(_SLOT * len(codes))
+        base = ctypes.addressof(self._buffer)
+        self.pointers = (ctypes.c_void_p * len(codes))(*(base + _SLOT * i for i in range(len(codes))))
+
+    def pack(self, args: list, scratch: tuple[int, int]):
+        """The void* array, its slots now holding the call's C values (args: all the bound
+        arguments, in argument order; scratch: the two scratch pointers)."""
+        values = [encode(args[i]) if encode else args[i] for i, encode in self._getters]
+        self._struct.pack_into(self._buffer, 0, *values, *scratch)
+        return self.pointers
 
 
 _PTX_ENTRY = r"\.entry\s+{}\s*\((.*?)\)"

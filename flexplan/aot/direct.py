@@ -1,20 +1,16 @@
-"""Kernels launched straight through the CUDA driver API, with no Triton launcher.
+"""Bundle binaries launched straight through the CUDA driver API, with no Triton launcher.
 
 Under Triton 3.6 even a kernel served from a bundle launches through a host launcher Triton
 compiles with the system C compiler (one per kernel signature, plus its cuda_utils module when
 its driver starts): seconds of gcc in a fresh process. Here a call is specialized by Triton's
-own binder (the JIT's rules, so the same variant key as the JIT hook in runtime.py), the
-binary is loaded with the driver API (cuda_launch) and the parameter block is built as Triton
+own binder (the JIT's rules, so the same variant key as the JIT hook in runtime.py), the bundle's
+cubin is loaded with the driver API (cuda_launch) and the parameter block is built as Triton
 3.6's launcher builds it (kernel_params); Triton's driver is never started.
-
-Binaries come from the bundles, or from Triton's JIT: a call no bundle serves is launched by
-Triton once (compiling it, or taking it from Triton's cache), then `adopt` takes that binary
-over, so later calls skip Triton's launch path too (H100 host: ~55 us a launch through it).
 
 Left to Triton (flexplan.launcher then calls kernel[grid], where the JIT hook serves the bundle or
 compiles): ROCm, Triton versions other than 3.6 (3.9's launcher needs no host compiler),
-FLEXPLAN_AOT_LAUNCH=triton, launch hooks (profilers), and binaries the direct launcher does not
-cover (one log line per kernel).
+FLEXPLAN_AOT_LAUNCH=triton, calls no bundle serves, launch hooks (profilers), and binaries the
+direct launcher does not cover (one log line per kernel).
 """
 from __future__ import annotations
 
@@ -28,16 +24,16 @@ import torch
 from . import runtime
 from .cuda_launch import CudaKernel, libcuda
 from .keys import kernel_name
-from .kernel_params import ParamBlock, Unsupported, kernel_params, param_bytes, ptx_param_bytes
+from .kernel_params import ParamBlock, Unsupported, kernel_params, param_bytes
 
 LAUNCH_ENV = "FLEXPLAN_AOT_LAUNCH"  # "triton": always launch through Triton's launcher
 DIRECT_TRITON = ("3.6.",)  # Triton versions whose launcher kernel_params / cuda_launch mirror
 _MAX_TMEM_COLUMNS = 512  # Triton's tensor-memory limit (it raises OutOfResources above it)
 
 _UNKNOWN = object()
-_ADOPT = object()  # no bundle binary: Triton launches the call, then adopt() takes its binary
 _unavailable = _UNKNOWN
 _states: dict[tuple[int, int], _KernelState] = {}
+_not_bundled: set[int] = set()  # id() of kernels no installed bundle holds: always Triton's
 
 
 def unavailable() -> str | None:
@@ -70,60 +66,38 @@ def reset() -> None:
     global _unavailable
     _unavailable = _UNKNOWN
     _states.clear()
+    _not_bundled.clear()
 
 
 def launch(fn, grid, args: tuple, kwargs: dict) -> bool:
-    """Run fn[grid](*args, **kwargs) from a loaded binary through the driver API; False when the
-    call is left to Triton (nothing launched; then pass Triton's kernel to `adopt`)."""
+    """Run fn[grid](*args, **kwargs) from a bundle binary through the driver API; False when the
+    call is left to Triton (nothing launched)."""
+    # JIT users (no bundle holds the kernel) return here, before any other per-launch cost.
+    if id(fn) in _not_bundled:
+        return False
+    if not runtime.bundles_have(fn):
+        _not_bundled.add(id(fn))  # kernels are module-level functions: their ids stay theirs
+        return False
     if unavailable() is not None or _triton_hooks_set(fn):
         return False
-    state = _state(fn, torch.cuda.current_device())
-    bound, key, call = _bind(fn, state, args, kwargs)
-    kernel = state.kernels.get(key, _UNKNOWN)
-    if kernel is _UNKNOWN:
-        kernel = state.kernels[key] = _resolve(fn, state, *call)
-    if kernel is None or kernel is _ADOPT:
-        return False
-    # The raw stream handle, as Triton's CUDA driver reads it (no Stream object per launch).
-    kernel.launch(grid(bound) if callable(grid) else grid,
-                  torch._C._cuda_getCurrentRawStream(state.device), list(bound.values()))
-    return True
-
-
-def adopt(fn, args: tuple, kwargs: dict, compiled) -> None:
-    """After Triton launched a call `launch` left to it for want of a bundle binary: load the
-    binary Triton used (its CompiledKernel), so that the next such call launches directly."""
-    if unavailable() is not None or compiled is None:
-        return
-    state = _states.get((id(fn), torch.cuda.current_device()))
-    if state is None or not state.awaiting:
-        return
-    bound, key, call = _bind(fn, state, args, kwargs)
-    if state.kernels.get(key) is not _ADOPT:
-        return
-    state.awaiting -= 1
-    try:
-        kwargs, bound, specialization, options = call
-        signature = fn._pack_args(state.backend, dict(kwargs), bound, specialization, options)[1]
-        kernel = DirectKernel(signature, compiled.metadata._asdict(), compiled.asm["cubin"],
-                              ptx_param_bytes(compiled.asm["ptx"], compiled.name), state.device)
-        runtime.stats["jit_direct"] += 1
-    except Exception as exc:  # Triton's launcher keeps running this call correctly
-        runtime.log_once(f"adopt {kernel_name(fn)}", "%s: launching it through Triton's launcher: %s",
-                         kernel_name(fn).rsplit(".", 1)[-1], f"{exc.__class__.__name__}: {exc}")
-        kernel = None
-    state.kernels[key] = kernel
-
-
-def _bind(fn, state, args, kwargs):
-    """(bound arguments, call key, what _resolve needs) of one call, by Triton's binder."""
     from triton import knobs
 
+    device = torch.cuda.current_device()
+    state = _state(fn, device)
     # The options JITFunction.run adds before binding, so the specialization (and key) match.
     kwargs = dict(kwargs, debug=kwargs.get("debug", fn.debug) or knobs.runtime.debug,
                   instrumentation_mode=knobs.compilation.instrumentation_mode)
     bound, specialization, options = state.binder(*args, **kwargs)
-    return bound, (tuple(specialization), str(options)), (kwargs, bound, specialization, options)
+    key = (tuple(specialization), str(options))
+    kernel = state.kernels.get(key, _UNKNOWN)
+    if kernel is _UNKNOWN:
+        kernel = state.kernels[key] = _resolve(fn, state, device, kwargs, bound, specialization, options)
+    if kernel is None:
+        return False
+    # The raw stream handle, as Triton's CUDA driver reads it (no Stream object per launch).
+    kernel.launch(grid(bound) if callable(grid) else grid, torch._C._cuda_getCurrentRawStream(device),
+                  list(bound.values()))
+    return True
 
 
 def _triton_hooks_set(fn) -> bool:
@@ -138,12 +112,10 @@ def _triton_hooks_set(fn) -> bool:
 class _KernelState:
     """Per (kernel, device): Triton's binder for this GPU and the resolved calls."""
     fn: object  # kept alive: the state is keyed by id(fn)
-    device: int
     target: object
     backend: object
     binder: object
-    kernels: dict = field(default_factory=dict)  # call key -> DirectKernel, _ADOPT, or None: Triton's
-    awaiting: int = 0  # keys at _ADOPT
+    kernels: dict = field(default_factory=dict)  # call key -> DirectKernel, or None: Triton's
 
 
 def _state(fn, device: int) -> _KernelState:
@@ -157,25 +129,22 @@ def _state(fn, device: int) -> _KernelState:
         target = GPUTarget("cuda", major * 10 + minor, 32)  # what Triton's CUDA driver reports
         backend = make_backend(target)
         binder = create_function_from_signature(fn.signature, fn.params, backend)
-        state = _states[(id(fn), device)] = _KernelState(fn, device, target, backend, binder)
+        state = _states[(id(fn), device)] = _KernelState(fn, target, backend, binder)
     return state
 
 
-def _resolve(fn, state: _KernelState, kwargs, bound, specialization, options):
-    """The DirectKernel of this specialization's bundle binary; _ADOPT where no bundle has it
-    (Triton compiles it, adopt() takes it); None where the direct launcher cannot run it."""
+def _resolve(fn, state: _KernelState, device: int, kwargs, bound, specialization, options):
+    """The DirectKernel for this specialization, or None (no bundle binary, or not coverable)."""
     name = kernel_name(fn)
     try:
         options, signature, constants, attrs = fn._pack_args(state.backend, dict(kwargs), bound,
                                                              specialization, options)
-        bundle, entry = (runtime.lookup(fn, state.target, signature, constants, attrs, options.__dict__)
-                         if runtime.bundles_have(fn) else (None, None))
+        bundle, entry = runtime.lookup(fn, state.target, signature, constants, attrs, options.__dict__)
         if bundle is None or bundle.entry_files_ok(entry) is not None:
-            state.awaiting += 1
-            return _ADOPT  # the JIT hook logs why there is no bundle binary, and compiles
+            return None  # the JIT hook logs why and compiles
         metadata = json.loads((bundle.root / entry["metadata"]).read_text())
         kernel = DirectKernel(signature, metadata, (bundle.root / entry["file"]).read_bytes(),
-                              entry.get("param_bytes"), state.device)
+                              entry.get("param_bytes"), device)
     except Exception as exc:  # whatever it is, Triton's launcher still runs the call correctly
         runtime.log_once(f"direct {name}", "%s: launching it through Triton's launcher: %s",
                          name.rsplit(".", 1)[-1], f"{exc.__class__.__name__}: {exc}")
@@ -186,7 +155,7 @@ def _resolve(fn, state: _KernelState, kwargs, bound, specialization, options):
 
 
 class DirectKernel:
-    """A binary loaded for one device, with its parameter block and launch settings."""
+    """A bundle binary loaded for one device, with its parameter block and launch settings."""
 
     def __init__(self, signature: dict, metadata: dict, cubin: bytes, binary_param_bytes, device: int):
         params = kernel_params(signature)

@@ -189,10 +189,7 @@ class DirectKernel:
         from triton.runtime import _allocation
 
         allocators = {"global": _allocation._allocator, "profile": _allocation._profile_allocator}
-        pointers, buffers = {"global": 0, "profile": 0}, []
-        for kind in self._scratch_kinds:
-            buffer = allocators[kind].get()(blocks * self.metadata[f"{kind}_scratch_size"],
-                                            self.metadata[f"{kind}_scratch_align"], stream)
-            pointers[kind] = buffer.data_ptr()
-            buffers.append(buffer)
-        return (pointers["global"], pointers["profile"]), buffers
+        buffers = {kind: allocators[kind].get()(blocks * self.metadata[f"{kind}_scratch_size"],
+                                                self.metadata[f"{kind}_scratch_align"], stream)
+                   for kind in self._scratch_kinds}
+        return tuple(buffers[kind].data_ptr() if kind in buffers else 0 for kind in allocators), buffers

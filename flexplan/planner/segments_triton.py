@@ -23,7 +23,6 @@ _ROW_BLOCK = 128  # rows per program of gray_rank and pairs (pairs are counted p
 _COMPACT_BLOCK = 64
 
 
-
 def _kernels():
     from ..kernels_src import plan_segments
 

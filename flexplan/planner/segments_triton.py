@@ -5,10 +5,10 @@ Gray ranks hold the offset masks losslessly, so after the sort the offset unions
 of every block size come from the sorted ranks in one pass. Every size the host needs comes out
 of one prefix sum over one count buffer (layout: kernels_src/plan_segments.py): the offsets of
 each block, then the pairs of each (offset, row block). The scan also places each block's
-offsets and each pair, so after the one sync (the sums at the segment ends, plus the caller's
-flags) two kernels write the outputs.
+offsets and each pair. The offsets go to a buffer of the worst-case size before the one sync
+(the sums at the segment ends, plus the caller's flags); the pairs, after it.
 
-Launches: gray ranks, sort, block unions, scan, read, offsets, pairs.
+Launches: gray ranks, sort, block unions, scan, offsets, read, pairs.
 """
 from __future__ import annotations
 
@@ -80,6 +80,17 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         launch(kernels.block_masks_kernel, (level_blocks[-1],), sorted_ranks, order, sorted_idx,
                unions, counts, m, WORDS=words, WORD_BITS=word_bits, B0=smallest, LEVELS=levels)
     scan = counts.cumsum(0)  # int64
+    if levels:
+        # valid_kernel of every block size goes into one buffer sized for every block having every
+        # offset (about 12% of the map's size for the shipped block sizes), so the compaction
+        # runs before the host sync instead of waiting on it; the sync then narrows it.
+        bound_at = _aligned_starts([blocks * v for blocks in level_blocks], kernels.ALIGN.value)
+        seg_at = _aligned_starts([blocks + 1 for blocks in level_blocks], kernels.ALIGN.value)
+        valid_kernel = torch.empty(bound_at[-1], dtype=torch.int32, device=device)
+        segs = torch.empty(seg_at[-1], dtype=torch.int32, device=device)
+        launch(kernels.compact_offsets_kernel, (triton.cdiv(pairs_at, _COMPACT_BLOCK),), unions,
+               scan, valid_kernel, segs, m, WORDS=words, WORD_BITS=word_bits, B0=smallest,
+               LEVELS=levels, BLOCK=_COMPACT_BLOCK)
     # The one host sync: the caller's flags, the scan at the end of each block size's entries
     # and at the end of the pair entries.
     read = [] if flags is None else [flags.to(torch.int64)]
@@ -92,13 +103,7 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     gmap = None
     if levels:
         lengths = [b - a for a, b in zip([0] + level_ends, level_ends)]  # valid_kernel per size
-        kernel_at = _aligned_starts(lengths, kernels.ALIGN.value)
-        seg_at = _aligned_starts([b + 1 for b in level_blocks], kernels.ALIGN.value)
-        valid_kernel = torch.empty(kernel_at[-1], dtype=torch.int32, device=device)
-        segs = torch.empty(seg_at[-1], dtype=torch.int32, device=device)
-        launch(kernels.compact_offsets_kernel, (triton.cdiv(pairs_at, _COMPACT_BLOCK),), unions,
-               scan, valid_kernel, segs, m, WORDS=words, WORD_BITS=word_bits, B0=smallest,
-               LEVELS=levels, BLOCK=_COMPACT_BLOCK)
+        kernel_at = _aligned_starts(lengths, kernels.ALIGN.value)  # where the kernel put them
         gmap = GatherMap(
             nmap, sorted_idx,
             {smallest << l: valid_kernel.narrow(0, kernel_at[l], lengths[l]) for l in range(levels)},

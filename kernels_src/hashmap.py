@@ -61,8 +61,8 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, problems, n
     min, so they must start at n. int64 keys: keys in table_keys, values in table_vals; int32
     keys: packed in table_keys.
 
-    Also writes the centre column of the neighbour map nmap [n, V] (the row itself); the
-    caller fills the rest with MISSING, the lookups write only hits.
+    Also starts the neighbour map nmap [n, V] of these rows (the lookups write only hits):
+    MISSING everywhere but the centre column, which is the row itself.
     """
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < n
@@ -76,7 +76,12 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, problems, n
     # Relaxed atomics: only atomicity matters inside the kernel; the launch boundary publishes
     # the table to the lookups (acq_rel would fence every probe).
     tl.atomic_min(problems + 0 * rows, rows.to(tl.int64), mask=live & ~inside, sem="relaxed")
-    tl.store(nmap + rows.to(tl.int64) * V + V // 2, rows, mask=live)
+    # The map rows of this program are one contiguous run of BLOCK * V entries.
+    run = nmap + tl.program_id(0).to(tl.int64) * BLOCK * V
+    for c in range(V):
+        local = c * BLOCK + tl.arange(0, BLOCK)
+        owner = tl.program_id(0) * BLOCK + local // V
+        tl.store(run + local, tl.where(local % V == V // 2, owner, MISSING), mask=owner < n)
     active = live & inside
     key = _voxel_key(b, x, y, z, size_x, size_y, size_z, KEY_64)
     slot = _hash_slot(key, slot_mask, KEY_64)

@@ -12,7 +12,6 @@ import triton
 
 from ..geometry import ConvGeometry
 from ..launcher import launch
-from ..plan import MISSING
 from .keys import EMPTY_KEY, key_dtype
 
 # H100 sweep (2026-11-23, R = 256 / 512 shells): small insert programs end their probe loops
@@ -43,9 +42,7 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     keys = torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=device)
     values = torch.empty(capacity if key_64 else 1, dtype=torch.int32, device=device)
     problems = torch.full((2,), n, dtype=torch.int64, device=device)
-    # MISSING by a fill, not in the insert kernel: on the H100 a plain fill plus the insert is
-    # faster than the insert writing the map too (R=512 shell: 47 + 115 vs 206 us).
-    nmap = torch.full((n, volume), MISSING, dtype=torch.int32, device=device)
+    nmap = torch.empty((n, volume), dtype=torch.int32, device=device)
     if n:
         launch(kernels.hash_insert_kernel, (triton.cdiv(n, _INSERT_BLOCK),), keys, values, coords,
                n, capacity - 1, problems, nmap, batch_size, *spatial_shape, V=volume,

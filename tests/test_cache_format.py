@@ -9,6 +9,7 @@ import torch
 from flexplan import ConvGeometry, build_plan
 from flexplan.cache.format import PlanFileError, read_plan, write_plan
 from flexplan.cache.key import coords_digest, plan_key
+from flexplan.cache.memory import held_bytes
 from flexplan.cache.policy import Policy, parse_bytes
 from flexplan.workloads import random_coords
 
@@ -66,6 +67,18 @@ def test_round_trip_int64_values_and_empty_plan(tmp_path):
     assert_same_plan(wide, load_bytes(tmp_path, round_trip(wide)))
     empty = build_plan(torch.zeros((0, 4), dtype=torch.int32), SHAPE, 1, GEOMETRIES[0])
     assert_same_plan(empty, load_bytes(tmp_path, round_trip(empty)))
+
+
+def test_triton_plan_views_round_trip_and_count_their_buffer(tmp_path):
+    """The Triton planner's valid_kernel of every block size are views of one buffer sized for the
+    worst case: files hold only the views' elements, the memory cache counts the buffer once."""
+    plan = build_plan(make_coords(), SHAPE, 2, GEOMETRIES[0], backend="triton")
+    kernels = list(plan.fwd.valid_kernel.values())
+    buffer = kernels[0].untyped_storage()
+    assert all(k.untyped_storage().data_ptr() == buffer.data_ptr() for k in kernels)
+    assert buffer.nbytes() > sum(k.numel() * k.element_size() for k in kernels)
+    assert_same_plan(plan, load_bytes(tmp_path, round_trip(plan)))
+    assert held_bytes(plan) >= buffer.nbytes() + plan.fwd.neighbor_map.numel() * 4
 
 
 def test_small_values_are_stored_narrow():

@@ -11,7 +11,17 @@ from collections import OrderedDict
 import torch
 
 from ..plan import ConvPlan
-from .format import plan_nbytes
+
+
+def held_bytes(plan: ConvPlan) -> int:
+    """Bytes of the storages behind the plan's tensors, each counted once: a tensor may be a view
+    of a larger buffer (the Triton planner's valid_kernel of every block size shares one buffer
+    sized for the worst case), and the buffer is what stays allocated."""
+    storages = {}
+    for t in plan.tensors().values():
+        storage = t.untyped_storage()
+        storages[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
 
 
 class MemoryCache:
@@ -37,7 +47,7 @@ class MemoryCache:
             return entry[0]
 
     def put(self, key: str, plan: ConvPlan, pinned: bool = False) -> None:
-        size = plan_nbytes(plan)
+        size = held_bytes(plan)
         if size > self.max_bytes and not pinned:
             return  # would evict everything else and still not fit
         with self._lock:

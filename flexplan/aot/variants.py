@@ -212,8 +212,10 @@ def segment_variants() -> Iterator[Variant]:
                            dict(words_constexprs, V=v, BLOCK=seg._ROW_BLOCK))
         yield make_variant("block_masks", dict(sorted_ranks=word, order=i64, sorted_idx=i32, unions=word,
                                                counts=i32, n=m), level_constexprs)
-        yield make_variant("compact_offsets", dict(unions=word, scan=i64, valid_kernel=i32, segs=i32, n=m),
-                           dict(level_constexprs, BLOCK=seg._COMPACT_BLOCK))
+        for num_flags in (0, 2):  # unchecked builds, and builds reading the coords check
+            yield make_variant("compact_offsets", dict(unions=word, scan=i64, valid_kernel=i32, segs=i32,
+                                                       flags=i64, sizes=i64, n=m, entries=n_blocks),
+                               dict(level_constexprs, FLAGS=num_flags, BLOCK=seg._COMPACT_BLOCK))
         yield make_variant("pairs", dict(nmap=i32, scan=i64, in_rows=i32, out_rows=i32, seg=i32, n=m,
                                          pairs_at=n_blocks, pairs_first=n_blocks * v),
                            dict(V=v, BLOCK=seg._ROW_BLOCK, V_CHUNK=seg.pairs_v_chunk(v)))

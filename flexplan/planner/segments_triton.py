@@ -8,7 +8,7 @@ each block, then the pairs of each (offset, row block). The scan also places eac
 offsets and each pair. The offsets go to a buffer of the worst-case size before the one sync
 (the sums at the segment ends, plus the caller's flags); the pairs, after it.
 
-Launches: gray ranks, sort, block unions, scan, offsets, read, pairs.
+Launches: gray ranks, sort, block unions, scan, offsets (and the sizes to read), read, pairs.
 """
 from __future__ import annotations
 
@@ -79,25 +79,28 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         unions = torch.empty((pairs_at, words), dtype=word_dtype, device=device)
         launch(kernels.block_masks_kernel, (level_blocks[-1],), sorted_ranks, order, sorted_idx,
                unions, counts, m, WORDS=words, WORD_BITS=word_bits, B0=smallest, LEVELS=levels)
+    else:
+        unions = ranks  # not read: no block sizes, no blocks
     scan = counts.cumsum(0)  # int64
-    if levels:
-        # valid_kernel of every block size goes into one buffer sized for every block having every
-        # offset (about 12% of the map's size for the shipped block sizes), so the compaction
-        # runs before the host sync instead of waiting on it; the sync then narrows it.
-        bound_at = _aligned_starts([blocks * v for blocks in level_blocks], kernels.ALIGN.value)
-        seg_at = _aligned_starts([blocks + 1 for blocks in level_blocks], kernels.ALIGN.value)
-        valid_kernel = torch.empty(bound_at[-1], dtype=torch.int32, device=device)
-        segs = torch.empty(seg_at[-1], dtype=torch.int32, device=device)
-        launch(kernels.compact_offsets_kernel, (triton.cdiv(pairs_at, _COMPACT_BLOCK),), unions,
-               scan, valid_kernel, segs, m, WORDS=words, WORD_BITS=word_bits, B0=smallest,
-               LEVELS=levels, BLOCK=_COMPACT_BLOCK)
-    # The one host sync: the caller's flags, the scan at the end of each block size's entries
-    # and at the end of the pair entries.
-    read = [] if flags is None else [flags.to(torch.int64)]
-    ends = [sum(level_blocks[:l + 1]) for l in range(levels)] + [counts.numel()]
-    values = torch.cat(read + [scan[e - 1:e] for e in ends]).tolist()
-    flag_values = None if flags is None else values[:flags.numel()]
-    level_ends, pairs_end = values[len(values) - len(ends):-1], values[-1]
+    # valid_kernel of every block size goes into one buffer sized for every block having every
+    # offset (about 12% of the map's size for the shipped block sizes), so the compaction runs
+    # before the host sync instead of waiting on it; the sync then narrows it. The kernel also
+    # gathers what the sync reads (the caller's flags, the scan at the end of each block size's
+    # entries and of the pair entries) into one small tensor.
+    bound_at = _aligned_starts([blocks * v for blocks in level_blocks], kernels.ALIGN.value)
+    seg_at = _aligned_starts([blocks + 1 for blocks in level_blocks], kernels.ALIGN.value)
+    # (At least one element each: without block sizes the kernel only reports the pairs' end.)
+    valid_kernel = torch.empty(max(1, bound_at[-1]), dtype=torch.int32, device=device)
+    segs = torch.empty(max(1, seg_at[-1]), dtype=torch.int32, device=device)
+    num_flags = 0 if flags is None else flags.numel()
+    sizes = torch.empty(num_flags + levels + 1, dtype=torch.int64, device=device)
+    launch(kernels.compact_offsets_kernel, (max(1, triton.cdiv(pairs_at, _COMPACT_BLOCK)),), unions,
+           scan, valid_kernel, segs, sizes if flags is None else flags, sizes, m, counts.numel(),
+           WORDS=words, WORD_BITS=word_bits, B0=smallest, LEVELS=levels, FLAGS=num_flags,
+           BLOCK=_COMPACT_BLOCK)
+    values = sizes.tolist()  # the one host sync
+    flag_values = None if flags is None else values[:num_flags]
+    level_ends, pairs_end = values[num_flags:-1], values[-1]
     offsets_total = level_ends[-1] if levels else 0
 
     gmap = None

@@ -102,10 +102,13 @@ class Problem:
 
 # The candidate space of each family, in one place (the tuner and the AOT build enumerate it).
 CANDIDATE_AXES = {
+    # Stages: Triton divides num_stages - 1 among the levels of a load chain (the gather-GEMM's
+    # map -> features, grad-weight's pairs -> rows: two), so 3, 5 and 7 keep 1, 2 and 3 tiles
+    # in flight (2 and 4 schedule the same buffers differently).
     GATHER_GEMM: dict(block_m=PLAN_BLOCK_SIZES, block_n=(16, 32, 64, 128, 256), block_k=(16, 32, 64, 128),
-                      splitk=(1, 2, 4, 8, 16), num_warps=(4, 8), num_stages=(2, 3, 4)),
+                      splitk=(1, 2, 4, 8, 16), num_warps=(4, 8), num_stages=(2, 3, 4, 5, 7)),
     WGRAD: dict(block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128), block_k=(32, 64, 128, 256),
-                splitk=(1, 2, 4, 8, 16, 32, 64), num_warps=(4, 8), num_stages=(2, 3, 4)),
+                splitk=(1, 2, 4, 8, 16, 32, 64), num_warps=(4, 8), num_stages=(2, 3, 4, 5, 7)),
 }
 
 
@@ -161,6 +164,25 @@ def num_sms() -> int:
     return 132
 
 
+@functools.lru_cache(maxsize=None)
+def shared_memory_bytes() -> int:
+    """Shared memory one program may use on the current GPU; 227 KiB (H100) without one."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        # ROCm reports no opt-in size: its per-block size is the whole LDS.
+        return getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
+    return 232448
+
+
+def _pipelined_stages(bm: int, bn: int, bk: int, element_bytes: int) -> int:
+    """5 (three A and B tiles in flight) where they fit in shared memory with room to spare,
+    else 3 (two)."""
+    three_tiles = 3 * (bm * bk + bk * bn) * element_bytes
+    return 5 if three_tiles <= shared_memory_bytes() * 3 // 4 else 3
+
+
 def _splitk_for(problem: Problem, tiles: int, k_iters: int, programs_per_sm: int) -> int:
     """Splits (powers of 2, <= 64) until the grid has programs_per_sm programs per SM, keeping
     >= 4 reduction iterations per split and the workspace within SPLITK_WORKSPACE_BYTES."""
@@ -179,7 +201,8 @@ def heuristic_config(family: str, problem: Problem) -> KernelConfig:
     """A reasonable config without tuning (the tuned tables, where present, override it).
 
     From an H100 sweep (scripts/sweep_submconv_configs.py, 2026-11-22): 128-row tiles (64 for
-    <= 32 output channels), 256 output channels per tile from N = 256 up, BLOCK_K 64 for 16-bit and 32 for fp32 (TF32);
+    <= 32 output channels), 256 output channels per tile from N = 256 up, BLOCK_K 64 for 16-bit
+    and 32 for fp32 (TF32), three tiles in flight where shared memory holds them (2026-11-23);
     grad-weight wants many programs (~16 per SM, split over pairs) and long pair chunks when
     channels are few.
     """
@@ -194,8 +217,8 @@ def heuristic_config(family: str, problem: Problem) -> KernelConfig:
             bn = 256 if n >= 256 else min(128, _pow2_at_least(n))
             bk = min(64 if wide or bn == 256 else 32, _pow2_at_least(k))
             bm = min(64 if bn <= 32 else 128, _pow2_at_least(m))
-            warps = 8 if bn == 256 or (wide and bn == 128) else 4
-            stages = 3 if bn == 256 else 4
+            warps = 8 if bn == 256 else 4
+            stages = _pipelined_stages(bm, bn, bk, problem.element_bytes)
         tiles = -(-m // bm) * -(-n // bn)
         # ~8 programs per SM: fewer leave a ragged last wave (e.g. 164 tiles of 128x256 on 132 SMs).
         splitk = _splitk_for(problem, tiles, problem.v * -(-k // bk), programs_per_sm=8)

@@ -212,11 +212,12 @@ def test_edge_cases(case, algo, device):
 
 
 @pytest.mark.parametrize("config", [(16, 16, 16, 1), (32, 32, 64, 3), (64, 16, 32, 2),
-                                    (16, 64, 128, 1)])
+                                    (16, 64, 128, 1), (16, 16, 64, 32)])
 @pytest.mark.parametrize("algo", ["implicit_splitk", "masked_splitk"])
 def test_forced_configs(config, algo, device, monkeypatch):
     """Block shapes that put K-chunks inside one offset (K % BLOCK_K == 0) or across offsets,
-    with and without split-K, every part: all equal the gather reference."""
+    with and without split-K, and more splits than a block has iterations (empty splits), every
+    part: all equal the gather reference."""
     import importlib
 
     from flexplan.kernel_configs import KernelConfig

@@ -176,11 +176,11 @@ def shared_memory_bytes() -> int:
     return 232448
 
 
-def _pipelined_stages(bm: int, bn: int, bk: int, element_bytes: int) -> int:
+def _pipelined_stages(bm: int, bn: int, bk: int, element_bytes: int, shared_memory: int) -> int:
     """5 (three A and B tiles in flight) where they fit in shared memory with room to spare,
     else 3 (two)."""
     three_tiles = 3 * (bm * bk + bk * bn) * element_bytes
-    return 5 if three_tiles <= shared_memory_bytes() * 3 // 4 else 3
+    return 5 if three_tiles <= shared_memory * 3 // 4 else 3
 
 
 def _splitk_for(problem: Problem, tiles: int, k_iters: int, programs_per_sm: int) -> int:
@@ -197,8 +197,9 @@ def _splitk_for(problem: Problem, tiles: int, k_iters: int, programs_per_sm: int
 
 # Memoized: every op call asks (a few microseconds each, several per forward + backward).
 @functools.lru_cache(maxsize=4096)
-def heuristic_config(family: str, problem: Problem) -> KernelConfig:
-    """A reasonable config without tuning (the tuned tables, where present, override it).
+def heuristic_config(family: str, problem: Problem, shared_memory: int | None = None) -> KernelConfig:
+    """A reasonable config without tuning (the tuned tables, where present, override it), for a
+    GPU with `shared_memory` bytes per program (default: the current GPU's).
 
     From an H100 sweep (scripts/sweep_submconv_configs.py, 2026-11-22): 128-row tiles (64 for
     <= 32 output channels), 256 output channels per tile from N = 256 up, BLOCK_K 64 for 16-bit
@@ -218,7 +219,8 @@ def heuristic_config(family: str, problem: Problem) -> KernelConfig:
             bk = min(64 if wide or bn == 256 else 32, _pow2_at_least(k))
             bm = min(64 if bn <= 32 else 128, _pow2_at_least(m))
             warps = 8 if bn == 256 else 4
-            stages = _pipelined_stages(bm, bn, bk, problem.element_bytes)
+            stages = _pipelined_stages(bm, bn, bk, problem.element_bytes,
+                                       shared_memory or shared_memory_bytes())
         tiles = -(-m // bm) * -(-n // bn)
         # ~8 programs per SM: fewer leave a ragged last wave (e.g. 164 tiles of 128x256 on 132 SMs).
         splitk = _splitk_for(problem, tiles, problem.v * -(-k // bk), programs_per_sm=8)

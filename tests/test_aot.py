@@ -249,6 +249,28 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
         assert call in known, call
 
 
+def test_variants_follow_each_targets_shared_memory():
+    """The heuristic keeps three tiles in flight only where shared memory holds them, so each
+    target's build lists that target's pick (a 64 KiB LDS gets the two-tile config)."""
+    from flexplan.aot.keys import TARGET_SHARED_MEMORY
+    from flexplan.aot.variants import enumerate_variants
+    from flexplan.kernel_configs import GATHER_GEMM, Problem, heuristic_config
+
+    problem = Problem(1 << 14, 128, 128, 27, "float16", "masked", "fwd")
+    picks = {t: heuristic_config(GATHER_GEMM, problem, TARGET_SHARED_MEMORY[t]).num_stages
+             for t in ("sm_90", "gfx942")}
+    assert picks == {"sm_90": 5, "gfx942": 3}
+
+    def stages_of_128_tiles(target):
+        return {dict(v.constexprs)["num_stages"] for v in enumerate_variants("gather", [128], [target])
+                if v.args[0] == ("tensor", "float16")  # src
+                and {k: dict(v.constexprs)[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+                == {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}}
+
+    assert stages_of_128_tiles("sm_90") == {5}
+    assert stages_of_128_tiles("gfx942") == {3}
+
+
 def test_doctor_lists_the_bundle(bundle, tmp_path):
     out, _ = bundle
     env = _env(FLEXPLAN_AOT_PATH=str(out), FLEXPLAN_CACHE_DIR=str(tmp_path))

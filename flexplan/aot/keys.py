@@ -21,6 +21,10 @@ TARGETS = {
     "gfx942": ("hip", "gfx942", 64),
     "gfx1100": ("hip", "gfx1100", 32),
 }
+# Shared memory (LDS) one program may use per target, in bytes: the heuristic's pipeline depth
+# depends on it (kernel_configs.heuristic_config), so the build covers each target's choice.
+TARGET_SHARED_MEMORY = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448,
+                        "gfx90a": 65536, "gfx942": 65536, "gfx1100": 65536}
 
 # Binary file suffix per Triton backend.
 BINARY_EXT = {"cuda": "cubin", "hip": "hsaco"}

@@ -5,7 +5,8 @@ AOT build turns it into Triton's compile inputs with the JIT's own binder, so ea
 exactly the specialization the JIT would compile for calls like it.
 
 Configs: `config_sources()` — the heuristic config of every representative problem
-(REP_ROWS x REP_CHANNEL_PAIRS x dtype x part, with the algorithm "auto" picks), the configs of
+(REP_ROWS x REP_CHANNEL_PAIRS x dtype x part, with the algorithm "auto" picks, on each target's
+shared memory size), the configs of
 the tuner's shipped tables (flexplan.tuning.aot.shipped_configs), and any source registered with
 `add_config_source`. Arguments are given by parameter name and mirror the launches in
 flexplan/ops/sparse_conv.py and flexplan/planner/hashmap.py; tests/test_aot.py records the
@@ -20,6 +21,7 @@ from typing import Callable, Iterable, Iterator
 
 from ..kernel_configs import (DTYPES, GATHER_GEMM, PLAN_BLOCK_SIZES, WGRAD, KernelConfig, Problem,
                               choose_algo, heuristic_config)
+from .keys import TARGET_SHARED_MEMORY
 
 # Representative problem sizes: rows on both sides of powers of two (so both the "divisible by
 # 16" and the plain integer specialization of the row count are built) and the channel widths of
@@ -114,9 +116,13 @@ def representative_problems(channels: Iterable[int] | None = None) -> Iterator[P
             yield Problem(rows, ci, co, v, dtype, algo, part)
 
 
-def heuristic_source(channels: Iterable[int] | None = None) -> Iterator[tuple[Problem, KernelConfig]]:
+def heuristic_source(channels: Iterable[int] | None = None,
+                     targets: Iterable[str] | None = None) -> Iterator[tuple[Problem, KernelConfig]]:
+    """The heuristic's pick for every representative problem on each target's shared memory."""
+    shared = sorted({TARGET_SHARED_MEMORY[t] for t in (targets or TARGET_SHARED_MEMORY)})
     for problem in representative_problems(channels):
-        yield problem, heuristic_config(problem.family, problem)
+        for size in shared:
+            yield problem, heuristic_config(problem.family, problem, size)
 
 
 def shipped_table_source() -> Iterator[tuple[Problem, KernelConfig]]:
@@ -131,8 +137,8 @@ def shipped_table_source() -> Iterator[tuple[Problem, KernelConfig]]:
                 yield Problem(n, 64, 64, 27, dtype, algo, part), cfg
 
 
-def config_sources() -> list[ConfigSource]:
-    return [heuristic_source, shipped_table_source, *_extra_sources]
+def config_sources(targets: Iterable[str] | None = None) -> list[ConfigSource]:
+    return [lambda: heuristic_source(targets=targets), shipped_table_source, *_extra_sources]
 
 
 def _torch_dtype(dtype: str) -> str:
@@ -226,17 +232,17 @@ def segment_variants() -> Iterator[Variant]:
 _VARIANTS_OF = {GATHER_GEMM: gather_gemm_variants, WGRAD: wgrad_variants}
 
 
-def enumerate_variants(kernel_filter: str | None = None,
-                       channels: Iterable[int] | None = None) -> list[Variant]:
-    """Every variant to build, deduplicated, in a stable order; kernel_filter keeps the kernels
-    whose short name contains it."""
+def enumerate_variants(kernel_filter: str | None = None, channels: Iterable[int] | None = None,
+                       targets: Iterable[str] | None = None) -> list[Variant]:
+    """Every variant to build for these targets (default: all), deduplicated, in a stable order;
+    kernel_filter keeps the kernels whose short name contains it."""
     seen: dict[Variant, None] = {}
     for variant in itertools.chain(planner_variants(), segment_variants()):
         if not kernel_filter or kernel_filter in variant.kernel:
             seen.setdefault(variant, None)
-    sources = config_sources()
+    sources = config_sources(targets)
     if channels is not None:  # narrowed to these widths: the heuristic over them, nothing else
-        sources = [lambda: heuristic_source(channels)]
+        sources = [lambda: heuristic_source(channels, targets)]
     for source in sources:
         for problem, cfg in source():
             family = problem.family

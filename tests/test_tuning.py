@@ -189,6 +189,16 @@ def test_lookup_is_memoized(fake_gpu, monkeypatch):
     assert len(calls) == 1 and len(dispatch._memo) == 1
 
 
+def test_repeated_call_is_answered_from_memory(fake_gpu, monkeypatch):
+    resolved = []
+    real = dispatch._config_for
+    monkeypatch.setattr(dispatch, "_config_for", lambda *key: resolved.append(key) or real(*key))
+    answers = [dispatch.select_config(GATHER_GEMM, FWD) for _ in range(3)]
+    assert answers == [_heuristic(FWD)] * 3 and len(resolved) == 1
+    dispatch.add_configs(resolved[0][2], {Bucket.of(FWD): TUNED})  # new tables: asked again
+    assert dispatch.select_config(GATHER_GEMM, FWD) == TUNED and len(resolved) == 2
+
+
 # ------------------------------------------------------------------ run-time tuning modes
 
 def test_ondemand_tunes_the_missing_bucket_once(fake_gpu, monkeypatch):

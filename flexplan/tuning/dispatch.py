@@ -6,8 +6,8 @@ FLEXPLAN_TUNE: "off" (default): never benchmark at run time.
                              until the result lands (timings share the GPU with the caller).
                "ondemand":   tune a missing bucket in the call that first needs it (one-off
                              pause of seconds, exact timings).
-Tables are read once per device and process; a lookup is a bucket computation plus a dict get
-(plus the heuristic's few arithmetic steps on a miss).
+Tables are read once per device and process; a call seen before is one dict get, a new one a
+bucket computation plus a dict get (plus the heuristic's few arithmetic steps on a miss).
 """
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ _lock = threading.RLock()
 _tables: dict = {}   # device index -> {Bucket: KernelConfig}, this GPU's merged tables
 _memo: dict = {}     # (device index, Bucket) -> KernelConfig, or _HEURISTIC
 _HEURISTIC = object()
+# The answer per exact call (a layer asks with the same problem every step), skipping the
+# bucket computation; forgotten whenever answers may change (add_configs, reset).
+_answers: dict = {}  # (family, Problem, device index) -> KernelConfig
+_MAX_ANSWERS = 4096
+_generation = 0
 _warned: set = set()  # one warning per unusable table file
 
 
@@ -48,7 +53,20 @@ def select_config(family: str, problem: Problem) -> KernelConfig:
     forced = getattr(_forced, "config", None)
     if forced is not None:
         return forced
-    index = current_device_index()
+    key = (family, problem, current_device_index())
+    config = _answers.get(key)
+    if config is None:
+        generation = _generation
+        config = _config_for(*key)
+        with _lock:
+            if generation == _generation:  # not computed from tables changed meanwhile
+                if len(_answers) >= _MAX_ANSWERS:
+                    _answers.clear()
+                _answers[key] = config
+    return config
+
+
+def _config_for(family: str, problem: Problem, index) -> KernelConfig:
     bucket = Bucket.of(problem)
     config = _memo.get((index, bucket))
     if config is None:
@@ -93,6 +111,14 @@ def add_configs(index: int, configs: dict) -> None:
         _table_for(index).update(configs)
         for bucket in configs:
             _memo.pop((index, bucket), None)
+        _forget_answers()
+
+
+def _forget_answers() -> None:
+    global _generation
+    with _lock:
+        _answers.clear()
+        _generation += 1
 
 
 def reset() -> None:
@@ -100,6 +126,7 @@ def reset() -> None:
     with _lock:
         _tables.clear()
         _memo.clear()
+        _forget_answers()
         _warned.clear()
 
 

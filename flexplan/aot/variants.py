@@ -6,9 +6,8 @@ exactly the specialization the JIT would compile for calls like it.
 
 Configs: `config_sources()` — the heuristic config of every representative problem
 (REP_ROWS x REP_CHANNEL_PAIRS x dtype x part, with the algorithm "auto" picks, on each target's
-shared memory size), the configs of
-the tuner's shipped tables (flexplan.tuning.aot.shipped_configs), and any source registered with
-`add_config_source`. Arguments are given by parameter name and mirror the launches in
+shared memory size), the configs of the tuner's shipped tables
+(flexplan.tuning.aot.shipped_configs), and any source registered with `add_config_source`. Arguments are given by parameter name and mirror the launches in
 flexplan/ops/sparse_conv.py and flexplan/planner/hashmap.py; tests/test_aot.py records the
 real ops' launches and checks the registry reproduces them.
 """

@@ -5,29 +5,124 @@ AOT runtime can swap in precompiled binaries without touching the ops: launched 
 the CUDA driver where flexplan.aot.direct covers them, else through Triton (its JIT then takes
 the binary from the bundle, or compiles). Set FLEXPLAN_AOT=0 to always JIT-compile. Under
 TRITON_INTERPRET=1 kernels are interpreter functions: launched as is.
+
+Repeated calls skip the resolution. Triton's binder (and the direct launcher, which reuses it)
+costs 35-55 us of host time per launch on the H100 machines, more than many planner kernels
+run; a call whose arguments fall in a class seen before goes straight to the binary that
+served that class. The class refines Triton's specialization (dtype and 16-byte alignment of
+each tensor; whether an int is 1, a multiple of 16, and its integer width; the constexprs), so
+two calls of one class always take the same binary.
 """
 from __future__ import annotations
 
 import os
 
+import torch
+from triton.runtime.jit import JITFunction
+
+from .aot import direct
+
 AOT_ENV = "FLEXPLAN_AOT"
 
+# (id(kernel), device, argument classes, constexprs) -> (how the binary launches, the values of
+# the constexpr parameters: launchers take every parameter, in order). Kernels are module-level
+# functions, so their ids stay theirs.
+_calls: dict = {}
+_UNCACHEABLE = object()
 
-def _aot_enabled(kernel) -> bool:
-    from triton.runtime.jit import JITFunction
 
-    return isinstance(kernel, JITFunction) and os.environ.get(AOT_ENV, "1") != "0"
+def _aot_enabled() -> bool:
+    return os.environ.get(AOT_ENV, "1") != "0"
+
+
+def forget_calls() -> None:
+    """Resolve every call afresh (the AOT runtime's reset: bundles or settings changed)."""
+    _calls.clear()
+
+
+def _arg_class(arg):
+    """What Triton specializes a runtime argument on, or more; _UNCACHEABLE for other types."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() & 15 == 0
+    kind = type(arg)
+    if kind is bool:
+        return arg
+    if kind is int:
+        return arg == 1, arg & 15 == 0, -2**31 <= arg < 2**31, -2**63 <= arg < 2**63
+    return _UNCACHEABLE
+
+
+def _constexpr_tail(kernel, args: tuple, constexprs: dict) -> tuple | None:
+    """Values of the parameters after the positional arguments, when those are all constexprs
+    (given or defaulted); None when the call does not have that shape."""
+    params = kernel.params
+    if len(args) > len(params) or any(p.is_constexpr for p in params[:len(args)]):
+        return None
+    tail = []
+    for p in params[len(args):]:
+        if not p.is_constexpr:
+            return None
+        if p.name in constexprs:
+            tail.append(constexprs[p.name])
+        elif p.has_default:
+            tail.append(p.default)
+        else:
+            return None
+    return tuple(tail)
+
+
+def _call_key(kernel, args: tuple, constexprs: dict):
+    classes = tuple(_arg_class(a) for a in args)
+    if _UNCACHEABLE in classes:
+        return None
+    try:
+        return id(kernel), torch.cuda.current_device(), classes, tuple(constexprs.items())
+    except TypeError:  # an unhashable constexpr: resolve every time
+        return None
+
+
+def _triton_run(compiled):
+    """Launch through Triton's own launcher for this compiled kernel, as JITFunction.run does
+    (no launch metadata: only launch hooks read it, and calls with hooks never come here)."""
+    def run(grid, stream, args):
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                     stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+    return run
+
+
+def _resolve_and_launch(kernel, grid, args: tuple, constexprs: dict):
+    """Launch the slow way; return how this call's binary launches, or None (not repeatable)."""
+    if _aot_enabled():
+        from .aot import runtime
+
+        binary, bound = direct.kernel_for(kernel, args, constexprs)
+        if binary is not None:
+            binary.launch(grid(bound) if callable(grid) else grid, direct.current_stream(),
+                          list(bound.values()))
+            return binary.launch
+        runtime.install()
+        compiled = kernel[grid](*args, **constexprs)
+        if compiled is None:
+            # The AOT hook put a prebuilt binary in the JIT's cache instead of compiling (Triton
+            # then returns without launching): this launch runs from that cache.
+            compiled = kernel[grid](*args, **constexprs)
+    else:
+        compiled = kernel[grid](*args, **constexprs)
+    return _triton_run(compiled) if compiled is not None else None
 
 
 def launch(kernel, grid, *args, **constexprs):
-    if _aot_enabled(kernel):
-        from .aot import direct, runtime
-
-        if direct.launch(kernel, grid, args, constexprs):
-            return
-        runtime.install()
-        if kernel[grid](*args, **constexprs) is not None:
-            return
-        # The AOT hook put a prebuilt binary in the JIT's cache instead of compiling (Triton
-        # then returns without launching): this launch runs from that cache.
-    kernel[grid](*args, **constexprs)
+    if not isinstance(kernel, JITFunction):  # the interpreter's functions
+        kernel[grid](*args, **constexprs)
+        return
+    key = None if callable(grid) else _call_key(kernel, args, constexprs)
+    call = _calls.get(key) if key is not None else None
+    if call is not None and not direct.triton_hooks_set(kernel):
+        run, tail = call
+        run(grid, direct.current_stream(), args + tail)
+        return
+    run = _resolve_and_launch(kernel, grid, args, constexprs)
+    if key is not None and run is not None:
+        tail = _constexpr_tail(kernel, args, constexprs)
+        if tail is not None:
+            _calls[key] = run, tail

@@ -72,14 +72,24 @@ def reset() -> None:
 def launch(fn, grid, args: tuple, kwargs: dict) -> bool:
     """Run fn[grid](*args, **kwargs) from a bundle binary through the driver API; False when the
     call is left to Triton (nothing launched)."""
+    kernel, bound = kernel_for(fn, args, kwargs)
+    if kernel is None:
+        return False
+    kernel.launch(grid(bound) if callable(grid) else grid, current_stream(), list(bound.values()))
+    return True
+
+
+def kernel_for(fn, args: tuple, kwargs: dict) -> tuple[DirectKernel | None, dict | None]:
+    """(the bundle binary that serves fn(*args, **kwargs) here, the call's bound arguments: every
+    parameter, in order), or (None, None): the call is Triton's."""
     # JIT users (no bundle holds the kernel) return here, before any other per-launch cost.
     if id(fn) in _not_bundled:
-        return False
+        return None, None
     if not runtime.bundles_have(fn):
         _not_bundled.add(id(fn))  # kernels are module-level functions: their ids stay theirs
-        return False
-    if unavailable() is not None or _triton_hooks_set(fn):
-        return False
+        return None, None
+    if unavailable() is not None or triton_hooks_set(fn):
+        return None, None
     from triton import knobs
 
     device = torch.cuda.current_device()
@@ -92,15 +102,16 @@ def launch(fn, grid, args: tuple, kwargs: dict) -> bool:
     kernel = state.kernels.get(key, _UNKNOWN)
     if kernel is _UNKNOWN:
         kernel = state.kernels[key] = _resolve(fn, state, device, kwargs, bound, specialization, options)
-    if kernel is None:
-        return False
-    # The raw stream handle, as Triton's CUDA driver reads it (no Stream object per launch).
-    kernel.launch(grid(bound) if callable(grid) else grid, torch._C._cuda_getCurrentRawStream(device),
-                  list(bound.values()))
-    return True
+    return (kernel, bound) if kernel is not None else (None, None)
 
 
-def _triton_hooks_set(fn) -> bool:
+def current_stream() -> int:
+    """The raw handle of the current device's current stream, as Triton's CUDA driver reads it
+    (no Stream object per launch)."""
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+
+
+def triton_hooks_set(fn) -> bool:
     from triton import knobs
 
     # Launch hooks are HookChains (a list of calls), or a plain callable when assigned directly.

@@ -61,9 +61,11 @@ def reset() -> None:
         _refused.clear()
         _logged.clear()
         stats.clear()
+    from .. import launcher
     from . import direct
 
     direct.reset()
+    launcher.forget_calls()
 
 
 def load_index() -> dict[str, tuple[Bundle, dict]]:

@@ -1,0 +1,81 @@
+"""flexplan.launcher's repeat path: a call whose arguments fall in a class seen before skips
+Triton's binder. On the CPU: the classes and the constexpr tail; on a GPU: launches of every
+class compute the right thing, and profilers' hooks still see launches."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from flexplan import launcher
+
+
+def _add_one(src, dst, n, scale, BLOCK: tl.constexpr, TWICE: tl.constexpr = False):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(src + offs, mask=offs < n) * scale + 1
+    if TWICE:
+        x = x + 1
+    tl.store(dst + offs, x, mask=offs < n)
+
+
+def _constexpr_first(BLOCK: tl.constexpr, src):
+    pass
+
+
+def test_argument_classes_separate_what_triton_specializes_on():
+    t = torch.zeros(8, dtype=torch.float32)
+    cls = launcher._arg_class
+    assert cls(t) != cls(t[1:])                  # 16-byte alignment
+    assert cls(t) != cls(t.to(torch.float16))    # dtype
+    assert len({cls(1), cls(2), cls(16), cls(2**31), cls(2**63)}) == 5  # value 1, % 16, width
+    assert cls(True) != cls(False)
+    assert cls(0.5) is launcher._UNCACHEABLE and cls("x") is launcher._UNCACHEABLE
+
+
+def test_constexpr_tail_follows_the_parameters():
+    fn = JITFunction(_add_one)
+    t = torch.zeros(4)
+    assert launcher._constexpr_tail(fn, (t, t, 4, 2), {"BLOCK": 64}) == (64, False)
+    assert launcher._constexpr_tail(fn, (t, t, 4, 2), {"BLOCK": 64, "TWICE": True,
+                                                       "num_warps": 2}) == (64, True)
+    assert launcher._constexpr_tail(fn, (t, t, 4, 2), {}) is None          # BLOCK missing
+    assert launcher._constexpr_tail(fn, (t, t, 4), {"BLOCK": 64}) is None  # runtime arg after
+    assert launcher._constexpr_tail(JITFunction(_constexpr_first), (64, t), {}) is None
+
+
+@pytest.mark.gpu
+def test_repeated_launches_of_every_class_compute_the_right_thing():
+    kernel = triton.jit(_add_one)
+    base = torch.randn(1000, device="cuda")
+    launcher.forget_calls()
+    for _ in range(2):  # the second round takes the repeat path
+        for offset, n, scale, twice in ((0, 1000, 2.0, False), (1, 999, 3.0, False),
+                                        (0, 16, 2.0, True), (3, 1, 1.0, False)):
+            src = base[offset:offset + n]
+            dst = torch.empty_like(src)
+            launcher.launch(kernel, (triton.cdiv(n, 128),), src, dst, n, scale, BLOCK=128,
+                            TWICE=twice)
+            torch.testing.assert_close(dst, src * scale + 1 + twice)
+    # scale is a float: those calls are never repeated; nothing else was launched here.
+    assert not [key for key in launcher._calls if key[0] == id(kernel)]
+    launcher.launch(kernel, (8,), base, base.clone(), 1000, 1, BLOCK=128)
+    launcher.launch(kernel, (8,), base[1:], base.clone()[1:], 999, 1, BLOCK=128)
+    assert len([key for key in launcher._calls if key[0] == id(kernel)]) == 2
+
+
+@pytest.mark.gpu
+def test_launch_hooks_see_repeated_launches():
+    kernel = triton.jit(_add_one)
+    src = torch.randn(256, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        launcher.launch(kernel, (2,), src, dst, 256, 1, BLOCK=128)
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launcher.launch(kernel, (2,), src, dst, 256, 1, BLOCK=128)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert len(seen) == 1

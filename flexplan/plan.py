@@ -16,10 +16,17 @@ import torch
 from .geometry import ConvGeometry
 
 # Bump whenever a field's meaning or layout changes: the plan cache keys on it.
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2  # 2: submanifold plans keep the mirrored half of valid_signal
 
 # Missing neighbour marker in neighbor_map (int32 -1, the 0xffffffff of the FlexGEMM write-up).
 MISSING = -1
+
+
+def mirrored_signal_offsets(volume: int) -> int:
+    """Offsets whose valid_signal pairs a submanifold plan keeps: those before the centre and
+    the centre. The pairs of offset V - 1 - v are those of v with the roles swapped (the map is
+    symmetric), so the rest would repeat them."""
+    return volume // 2 + 1
 
 
 @dataclass(frozen=True)
@@ -81,9 +88,11 @@ class ConvPlan:
     fwd:  output rows gather input rows (forward, and grad-weight pairs).
     bwd:  input rows gather output rows, for grad-input. None for submanifold convolutions:
           there the same map serves with the offsets reversed (v -> V - 1 - v), by symmetry.
-    valid_signal_i / valid_signal_o: int32 [P]; all (input row, output row) pairs, grouped
-          by offset; valid_signal_seg int32 [V + 1] delimits each offset's pairs. Used for
-          grad-weight: dW[v] = sum over its pairs of grad_out[o]^T in[i].
+    valid_signal_i / valid_signal_o: int32 [P]; the (input row, output row) pairs of the first
+          S offsets, grouped by offset; valid_signal_seg int32 [S + 1] delimits each offset's
+          pairs. S = V, or mirrored_signal_offsets(V) for submanifold plans (the pairs of the
+          other offsets mirror these). Used for grad-weight: dW[v] = sum over the pairs of
+          offset v of grad_out[o]^T in[i].
     out_coords: int32 [N_out, 4]; for submanifold convolutions the input coords themselves.
     """
 
@@ -106,8 +115,16 @@ class ConvPlan:
         return self.geometry.volume
 
     @property
+    def signal_offsets(self) -> int:
+        """S: the offsets valid_signal holds pairs of; those from S on mirror offset V - 1 - v."""
+        return self.valid_signal_seg.numel() - 1
+
+    @property
     def num_pairs(self) -> int:
-        return int(self.valid_signal_i.numel())
+        """All (input row, output row) pairs of the convolution, mirrored ones included (the
+        centre's pairs, one per output row, are their own mirror)."""
+        stored = int(self.valid_signal_i.numel())
+        return stored if self.signal_offsets == self.kernel_volume else 2 * stored - self.num_out
 
     @property
     def device(self) -> torch.device:

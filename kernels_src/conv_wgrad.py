@@ -1,7 +1,9 @@
 """Grad-weight over the plan's (input row, output row) pairs, grouped by offset.
 
 dW[:, v, :] = sum over the pairs p of offset v of grad_out[o_p]^T in[i_p]: per offset a
-[Co, P_v] x [P_v, Ci] GEMM whose reduction runs over that offset's pairs. Grid:
+[Co, P_v] x [P_v, Ci] GEMM whose reduction runs over that offset's pairs. The plan holds the
+pairs of the first S offsets; an offset v >= S (submanifold plans) takes those of V - 1 - v
+with input and output rows swapped. Grid:
 (Co tiles x Ci tiles, V, S); split s of offset v takes the s-th of S equal slices of its pairs.
 Without SPLIT (S = 1) dW ([Co, V, Ci], the weight's layout) is stored in the weight dtype; with
 it each split stores its fp32 partial sum into an [S, Co, V, Ci] workspace the caller reduces.
@@ -15,7 +17,7 @@ from .conv_common import dot_acc
 @triton.jit
 def conv_wgrad_kernel(
     grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr, out_ptr,
-    CO, CI, V,
+    CO, CI, V, S,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     ALLOW_TF32: tl.constexpr,
 ):
@@ -32,8 +34,10 @@ def conv_wgrad_kernel(
     ci_mask = offs_ci < CI
     arange_p = tl.arange(0, BLOCK_K)
 
-    seg_lo = tl.load(pair_seg_ptr + v)
-    count = tl.load(pair_seg_ptr + v + 1) - seg_lo
+    mirrored = v >= S
+    stored = tl.where(mirrored, V - 1 - v, v)
+    seg_lo = tl.load(pair_seg_ptr + stored)
+    count = tl.load(pair_seg_ptr + stored + 1) - seg_lo
     splits = tl.num_programs(2)
     p_lo = seg_lo + count * pid_k // splits
     p_hi = seg_lo + count * (pid_k + 1) // splits
@@ -45,8 +49,10 @@ def conv_wgrad_kernel(
     for p in range(p_lo, p_hi, BLOCK_K):
         offs_p = p + arange_p
         p_mask = offs_p < p_hi
-        rows_o = tl.load(pair_out_ptr + offs_p, mask=p_mask, other=0).to(tl.int64)
-        rows_i = tl.load(pair_in_ptr + offs_p, mask=p_mask, other=0).to(tl.int64)
+        rows_a = tl.load(pair_out_ptr + offs_p, mask=p_mask, other=0).to(tl.int64)
+        rows_b = tl.load(pair_in_ptr + offs_p, mask=p_mask, other=0).to(tl.int64)
+        rows_o = tl.where(mirrored, rows_b, rows_a)
+        rows_i = tl.where(mirrored, rows_a, rows_b)
         a = tl.load(grad_out_ptr + rows_o[None, :] * CO + offs_co[:, None],
                     mask=p_mask[None, :] & co_mask[:, None], other=0.0)
         b = tl.load(src_ptr + rows_i[:, None] * CI + offs_ci[None, :],

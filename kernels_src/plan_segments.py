@@ -8,7 +8,7 @@ mask's inverse Gray code, so the mask comes back as rank ^ (rank >> 1).
 `counts` is one int32 buffer whose inclusive prefix sum `scan` (int64) places every output:
 entries [0, pairs_at) are the blocks of every block size (B0 << l for l < LEVELS, size after
 size), entries from pairs_at on are the pairs of each (offset v, row block p) at
-pairs_at + v * row_blocks + p. An entry's output starts at scan[entry - 1] (0 for entry 0),
+pairs_at + v * row_blocks + p, for the offsets v < signal_offsets that get pairs. An entry's output starts at scan[entry - 1] (0 for entry 0),
 less the scan before its segment's first entry.
 """
 import triton
@@ -20,12 +20,14 @@ MISSING = tl.constexpr(-1)
 ALIGN = tl.constexpr(4)
 
 
-# Offsets into the count buffer take any value: specializing on them would only multiply binaries.
-@triton.jit(do_not_specialize=["pairs_at"])
-def gray_rank_kernel(nmap, ranks, counts, n, pairs_at, V: tl.constexpr, WORDS: tl.constexpr,
-                     WORD_BITS: tl.constexpr, BLOCK: tl.constexpr):
+# Offsets into the count buffer and the offset count take any value: specializing on them
+# would only multiply binaries.
+@triton.jit(do_not_specialize=["pairs_at", "signal_offsets"])
+def gray_rank_kernel(nmap, ranks, counts, n, pairs_at, signal_offsets, V: tl.constexpr,
+                     WORDS: tl.constexpr, WORD_BITS: tl.constexpr, BLOCK: tl.constexpr):
     """ranks[w, i] = word w of row i's inverse-Gray-code rank (offset V-1 most significant), and
-    the pair count of each offset in this program's rows. Grid: the row blocks."""
+    the pair count of each offset v < signal_offsets in this program's rows. Grid: the row
+    blocks."""
     MASK_BITS: tl.constexpr = WORD_BITS - 1
     ALL_ONES: tl.constexpr = (1 << MASK_BITS) - 1
     DT: tl.constexpr = ranks.dtype.element_ty
@@ -50,7 +52,7 @@ def gray_rank_kernel(nmap, ranks, counts, n, pairs_at, V: tl.constexpr, WORDS: t
         carry = word & 1
         tl.store(ranks + w * n + rows, word, mask=live)
         tl.store(counts + pairs_at + cols.to(tl.int64) * tl.num_programs(0) + pid,
-                 tl.sum(present.to(tl.int32), axis=0), mask=valid)
+                 tl.sum(present.to(tl.int32), axis=0), mask=valid & (cols < signal_offsets))
 
 
 @triton.jit
@@ -166,21 +168,22 @@ def compact_offsets_kernel(unions, scan, valid_kernel, segs, flags, sizes, n, en
         start += tl.sum(bits, axis=1)
 
 
-@triton.jit(do_not_specialize=["pairs_at", "pairs_first"])
-def pairs_kernel(nmap, scan, in_rows, out_rows, seg, n, pairs_at, pairs_first, V: tl.constexpr,
-                 BLOCK: tl.constexpr, V_CHUNK: tl.constexpr):
-    """valid_signal: the pairs (nmap[i, v], i) of this program's rows i, per offset v, rows
-    ascending, at position scan[its entry - 1] - pairs_first (pairs_first: the scan before the
-    first pair entry). Program 0 also writes seg [V + 1]. Grid: the row blocks of gray_rank.
-    A [BLOCK, V_CHUNK] tile of the map at a time: one load of whole map rows and one scan down
-    the rows for V_CHUNK offsets together."""
+@triton.jit(do_not_specialize=["pairs_at", "pairs_first", "signal_offsets"])
+def pairs_kernel(nmap, scan, in_rows, out_rows, seg, n, pairs_at, pairs_first, signal_offsets,
+                 V: tl.constexpr, BLOCK: tl.constexpr, V_CHUNK: tl.constexpr):
+    """valid_signal: the pairs (nmap[i, v], i) of this program's rows i, per offset
+    v < signal_offsets, rows ascending, at position scan[its entry - 1] - pairs_first
+    (pairs_first: the scan before the first pair entry). Program 0 also writes
+    seg [signal_offsets + 1]. Grid: the row blocks of gray_rank. A [BLOCK, V_CHUNK] tile of the
+    map at a time: one load of whole map rows and one scan down the rows for V_CHUNK offsets
+    together."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = rows < n
-    for v0 in tl.static_range(0, V, V_CHUNK):
+    for v0 in range(0, signal_offsets, V_CHUNK):
         v = v0 + tl.arange(0, V_CHUNK)
-        v_ok = v < V
+        v_ok = v < signal_offsets
         entry = tl.load(nmap + rows[:, None] * V + v[None, :], mask=live[:, None] & v_ok[None, :],
                         other=MISSING)
         present = (entry != MISSING).to(tl.int32)
@@ -190,5 +193,5 @@ def pairs_kernel(nmap, scan, in_rows, out_rows, seg, n, pairs_at, pairs_first, V
         tl.store(in_rows + pos, entry, mask=present != 0)
         tl.store(out_rows + pos, rows.to(tl.int32)[:, None] + 0 * present, mask=present != 0)
         tl.store(seg + v, start.to(tl.int32), mask=v_ok & (pid + 0 * v == 0))
-    total = tl.load(scan + pairs_at + V * programs - 1) - pairs_first
-    tl.store(seg + V, total.to(tl.int32), mask=pid == 0)
+    total = tl.load(scan + pairs_at + signal_offsets * programs - 1) - pairs_first
+    tl.store(seg + signal_offsets, total.to(tl.int32), mask=pid == 0)

@@ -69,10 +69,10 @@ def gather_gemm_splits(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, valid_
 
 @triton.jit
 def wgrad_splits(grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr, out_ptr,
-                 CO, CI, V, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 CO, CI, V, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, ALLOW_TF32: tl.constexpr, SPLITS: tl.constexpr):
     conv_wgrad_kernel(grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr, out_ptr,
-                      CO, CI, V, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT,
+                      CO, CI, V, S, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT,
                       ALLOW_TF32=ALLOW_TF32)
 
 
@@ -87,7 +87,7 @@ def wrapper_launch(work, part, max_splits):
     if part == "wgrad":
         dest = torch.empty((max_splits, co, v, ci), dtype=torch.float32, device=w.device)
         args = (work.grad_out, work.feats, plan.valid_signal_o, plan.valid_signal_i,
-                plan.valid_signal_seg, dest, co, ci, v)
+                plan.valid_signal_seg, dest, co, ci, v, plan.signal_offsets)
 
         def grid(meta):
             return (triton.cdiv(co, meta["BLOCK_M"]) * triton.cdiv(ci, meta["BLOCK_N"]), v,

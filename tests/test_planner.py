@@ -87,10 +87,11 @@ def _check_schedule(nmap, gmap, signal):
             assert kernel[seg[k]:seg[k + 1]] == union, (block, k)
         assert seg[-1] == len(kernel)
     sig_i, sig_o, sig_seg = (t.cpu().tolist() for t in signal)
-    pairs = [(nmap[i, o].item(), i) for o in range(v) for i in range(m) if present[i][o]]
+    offsets = len(sig_seg) - 1  # the pairs of the first `offsets` offsets
+    pairs = [(nmap[i, o].item(), i) for o in range(offsets) for i in range(m) if present[i][o]]
     assert list(zip(sig_i, sig_o)) == pairs
-    counts = [sum(present[i][o] for i in range(m)) for o in range(v)]
-    assert sig_seg == [sum(counts[:o]) for o in range(v + 1)]
+    counts = [sum(present[i][o] for i in range(m)) for o in range(offsets)]
+    assert sig_seg == [sum(counts[:o]) for o in range(offsets + 1)]
 
 
 @pytest.mark.parametrize("shape,batch,kernel,dilation,n", CASES)
@@ -128,6 +129,9 @@ def test_plan_invariants(shape, batch, kernel, dilation, n, device):
     assert torch.equal(nmap[nmap[i, o].long(), v - 1 - o], i.to(torch.int32))
     signal = (plan.valid_signal_i, plan.valid_signal_o, plan.valid_signal_seg)
     _check_schedule(nmap, plan.fwd, signal)
+    # The kept pairs stop at the centre; with their mirrors they are every pair of the map.
+    assert plan.signal_offsets == v // 2 + 1
+    assert plan.num_pairs == int((nmap != MISSING).sum())
 
 
 # volumes: one int32, one int64, two int64 rank words; 1100 rows: block sizes meet mid-program
@@ -142,6 +146,9 @@ def test_schedule_backends_agree_on_any_map(volume, m, device):
     gmaps = {b: gather_map(nmap, PLAN_BLOCK_SIZES, backend=b) for b in ("torch", "triton")}
     signals = {b: valid_signal(nmap, backend=b) for b in ("torch", "triton")}
     for a, b in zip(signals["torch"], signals["triton"]):
+        assert torch.equal(a, b)
+    for a, b in zip(valid_signal(nmap, "torch", volume // 2 + 1),
+                    valid_signal(nmap, "triton", volume // 2 + 1)):
         assert torch.equal(a, b)
     ga, gb = gmaps["torch"], gmaps["triton"]
     assert torch.equal(ga.sorted_idx, gb.sorted_idx)

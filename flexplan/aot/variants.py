@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Iterator
 
 from ..kernel_configs import (DTYPES, GATHER_GEMM, PLAN_BLOCK_SIZES, WGRAD, KernelConfig, Problem,
                               choose_algo, heuristic_config)
+from ..plan import mirrored_signal_offsets
 from .keys import TARGET_SHARED_MEMORY
 
 # Representative problem sizes: rows on both sides of powers of two (so both the "divisible by
@@ -175,7 +176,8 @@ def wgrad_variants(problem: Problem, cfg: KernelConfig) -> Iterator[Variant]:
     feat, i32 = ("tensor", _torch_dtype(problem.dtype)), ("tensor", "int32")
     out = ("tensor", _acc_dtype(problem.dtype)) if cfg.splitk > 1 else feat
     values = dict(grad_out_ptr=feat, src_ptr=feat, pair_out_ptr=i32, pair_in_ptr=i32,
-                  pair_seg_ptr=i32, out_ptr=out, CO=problem.co, CI=problem.ci, V=problem.v)
+                  pair_seg_ptr=i32, out_ptr=out, CO=problem.co, CI=problem.ci, V=problem.v,
+                  S=mirrored_signal_offsets(problem.v))
     yield make_variant(WGRAD, values, wgrad_constexprs(cfg, problem.dtype == "tf32"))
 
 
@@ -213,7 +215,8 @@ def segment_variants() -> Iterator[Variant]:
         n_blocks = sum(-(-m // (smallest << l)) for l in range(levels))
         words_constexprs = dict(WORDS=words, WORD_BITS=bits)
         level_constexprs = dict(words_constexprs, B0=smallest, LEVELS=levels)
-        yield make_variant("gray_rank", dict(nmap=i32, ranks=word, counts=i32, n=m, pairs_at=n_blocks),
+        yield make_variant("gray_rank", dict(nmap=i32, ranks=word, counts=i32, n=m, pairs_at=n_blocks,
+                                             signal_offsets=v),
                            dict(words_constexprs, V=v, BLOCK=seg._ROW_BLOCK))
         yield make_variant("block_masks", dict(sorted_ranks=word, order=i64, sorted_idx=i32, unions=word,
                                                counts=i32, n=m), level_constexprs)
@@ -221,9 +224,11 @@ def segment_variants() -> Iterator[Variant]:
             yield make_variant("compact_offsets", dict(unions=word, scan=i64, valid_kernel=i32, segs=i32,
                                                        flags=i64, sizes=i64, n=m, entries=n_blocks),
                                dict(level_constexprs, FLAGS=num_flags, BLOCK=seg._COMPACT_BLOCK))
-        yield make_variant("pairs", dict(nmap=i32, scan=i64, in_rows=i32, out_rows=i32, seg=i32, n=m,
-                                         pairs_at=n_blocks, pairs_first=n_blocks * v),
-                           dict(V=v, BLOCK=seg._ROW_BLOCK, V_CHUNK=seg.pairs_v_chunk(v)))
+        for offsets in (mirrored_signal_offsets(v), v):  # submanifold plans, strided ones
+            yield make_variant("pairs", dict(nmap=i32, scan=i64, in_rows=i32, out_rows=i32, seg=i32,
+                                             n=m, pairs_at=n_blocks, pairs_first=n_blocks * v,
+                                             signal_offsets=offsets),
+                               dict(V=v, BLOCK=seg._ROW_BLOCK, V_CHUNK=seg.pairs_v_chunk(offsets)))
     for m in REP_ROWS:
         yield make_variant(PLAN_HASH, dict(words_ptr=i64, partial_ptr=i64, n_words=m), dict(BLOCK=_TRITON_BLOCK))
 

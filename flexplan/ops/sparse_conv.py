@@ -164,7 +164,7 @@ def _wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: b
     grid = (_cdiv(co, cfg.block_m) * _cdiv(ci, cfg.block_n), v, cfg.splitk)
     launch(conv_wgrad_kernel, grid,
            grad_out, src, plan.valid_signal_o, plan.valid_signal_i, plan.valid_signal_seg, dest,
-           co, ci, v, **wgrad_constexprs(cfg, allow_tf32))
+           co, ci, v, plan.signal_offsets, **wgrad_constexprs(cfg, allow_tf32))
     return dest.sum(0).to(src.dtype) if cfg.splitk > 1 else dest
 
 

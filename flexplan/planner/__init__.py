@@ -7,7 +7,7 @@ import torch
 
 from ..geometry import ConvGeometry, triple
 from ..kernel_configs import PLAN_BLOCK_SIZES
-from ..plan import ConvPlan
+from ..plan import ConvPlan, mirrored_signal_offsets
 from ..sparse_tensor import check_coords, check_coords_layout, raise_coords_problems
 from .generative import generative_plan
 from .reference import submanifold_neighbor_map_torch
@@ -47,7 +47,8 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
             check_coords_layout(coords)
         nmap, problems = submanifold_neighbor_map_triton(coords, shape, batch_size, geometry)
     fwd, (sig_i, sig_o, sig_seg), problem_rows = plan_schedule(
-        nmap, PLAN_BLOCK_SIZES, backend, flags=problems if check else None)
+        nmap, PLAN_BLOCK_SIZES, backend, flags=problems if check else None,
+        signal_offsets=mirrored_signal_offsets(geometry.volume))
     if problem_rows is not None:
         raise_coords_problems(coords, shape, batch_size, *problem_rows)
     return ConvPlan(

@@ -76,18 +76,20 @@ def _use_triton(neighbor_map: torch.Tensor, backend: str) -> bool:
 
 
 def plan_schedule(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...], backend: str = "auto",
-                  flags: torch.Tensor | None = None):
+                  flags: torch.Tensor | None = None, signal_offsets: int | None = None):
     """(GatherMap, valid_signal's triple, flags as ints): the whole schedule of one map.
 
     flags: a small int tensor on the map's device (e.g. the build's input checks) to read in
     the same host sync as the schedule's own sizes; None gives None. The Triton path makes one
-    host sync in all.
+    host sync in all. signal_offsets: as in valid_signal.
     """
+    signal_offsets = neighbor_map.shape[1] if signal_offsets is None else signal_offsets
     if _use_triton(neighbor_map, backend):
         from .segments_triton import plan_schedule_triton
 
-        return plan_schedule_triton(neighbor_map, block_sizes, signal=True, flags=flags)
-    return (gather_map(neighbor_map, block_sizes, "torch"), valid_signal(neighbor_map, "torch"),
+        return plan_schedule_triton(neighbor_map, block_sizes, signal_offsets, flags=flags)
+    return (gather_map(neighbor_map, block_sizes, "torch"),
+            valid_signal(neighbor_map, "torch", signal_offsets),
             None if flags is None else flags.tolist())
 
 
@@ -101,7 +103,7 @@ def gather_map(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],
     if _use_triton(neighbor_map, backend):
         from .segments_triton import plan_schedule_triton
 
-        return plan_schedule_triton(neighbor_map, block_sizes, signal=False)[0]
+        return plan_schedule_triton(neighbor_map, block_sizes, 0)[0]
     present = neighbor_map != MISSING
     order = gray_code_order(present)
     present_sorted = present[order]
@@ -111,15 +113,17 @@ def gather_map(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],
     return GatherMap(neighbor_map, order.to(torch.int32), kernels, segs)
 
 
-def valid_signal(neighbor_map: torch.Tensor,
-                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input rows, output rows, seg [V + 1]) of all pairs, grouped by offset, ascending rows."""
+def valid_signal(neighbor_map: torch.Tensor, backend: str = "auto", signal_offsets: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input rows, output rows, seg [S + 1]) of the pairs of the first S = signal_offsets
+    offsets (default all), grouped by offset, ascending rows. Submanifold plans keep S = V // 2 + 1
+    (see plan.mirrored_signal_offsets)."""
+    v = neighbor_map.shape[1] if signal_offsets is None else signal_offsets
     if _use_triton(neighbor_map, backend):
         from .segments_triton import plan_schedule_triton
 
-        return plan_schedule_triton(neighbor_map, (), signal=True)[1]
-    v = neighbor_map.shape[1]
-    offset, out_rows = (neighbor_map.t() != MISSING).nonzero(as_tuple=True)
+        return plan_schedule_triton(neighbor_map, (), v)[1]
+    offset, out_rows = (neighbor_map[:, :v].t() != MISSING).nonzero(as_tuple=True)
     in_rows = neighbor_map[out_rows, offset]
     seg = torch.zeros(v + 1, dtype=torch.int32, device=neighbor_map.device)
     seg[1:] = torch.bincount(offset, minlength=v).cumsum(0)

@@ -29,9 +29,10 @@ def _kernels():
     return plan_segments
 
 
-def pairs_v_chunk(volume: int) -> int:
-    """Offsets per map tile of the pairs kernel: all 27 of a 3x3x3 kernel in one."""
-    return min(32, triton.next_power_of_2(volume))
+def pairs_v_chunk(signal_offsets: int) -> int:
+    """Offsets per map tile of the pairs kernel: all 27 of a 3x3x3 kernel (or the 14 its
+    mirrored pairs need) in one."""
+    return min(32, triton.next_power_of_2(signal_offsets))
 
 
 def _aligned_starts(lengths: list[int], align: int) -> list[int]:
@@ -52,14 +53,14 @@ def block_levels(block_sizes: tuple[int, ...]) -> tuple[int, int]:
     return sizes[0], len(sizes)
 
 
-def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...], signal: bool,
-                         flags: torch.Tensor | None = None):
-    """segments.plan_schedule: (GatherMap or None without block sizes, the valid_signal triple or
-    None without signal, flags as ints or None)."""
+def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],
+                         signal_offsets: int, flags: torch.Tensor | None = None):
+    """segments.plan_schedule: (GatherMap or None without block sizes, the valid_signal triple of
+    the offsets v < signal_offsets or None for 0, flags as ints or None)."""
     m, v = neighbor_map.shape
     if m == 0:  # nothing to launch
         return (gather_map(neighbor_map, block_sizes, "torch") if block_sizes else None,
-                valid_signal(neighbor_map, "torch") if signal else None,
+                valid_signal(neighbor_map, "torch", signal_offsets) if signal_offsets else None,
                 None if flags is None else flags.tolist())
     kernels = _kernels()
     device = neighbor_map.device
@@ -68,11 +69,11 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     level_blocks = [triton.cdiv(m, smallest << l) for l in range(levels)]
     pairs_at = sum(level_blocks)
     row_blocks = triton.cdiv(m, _ROW_BLOCK)
-    counts = torch.empty(pairs_at + v * row_blocks, dtype=torch.int32, device=device)
+    counts = torch.empty(pairs_at + signal_offsets * row_blocks, dtype=torch.int32, device=device)
     word_bits, word_dtype, words = rank_words(v)
     ranks = torch.empty((words, m), dtype=word_dtype, device=device)
-    launch(kernels.gray_rank_kernel, (row_blocks,), nmap, ranks, counts, m, pairs_at, V=v,
-           WORDS=words, WORD_BITS=word_bits, BLOCK=_ROW_BLOCK)
+    launch(kernels.gray_rank_kernel, (row_blocks,), nmap, ranks, counts, m, pairs_at,
+           signal_offsets, V=v, WORDS=words, WORD_BITS=word_bits, BLOCK=_ROW_BLOCK)
     if levels:
         sorted_ranks, order = sort_by_rank(ranks)
         sorted_idx = torch.empty(m, dtype=torch.int32, device=device)
@@ -112,13 +113,13 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
             {smallest << l: valid_kernel.narrow(0, kernel_at[l], lengths[l]) for l in range(levels)},
             {smallest << l: segs.narrow(0, seg_at[l], level_blocks[l] + 1) for l in range(levels)})
     pairs = None
-    if signal:
+    if signal_offsets:
         total = pairs_end - offsets_total
         in_rows = torch.empty(total, dtype=torch.int32, device=device)
         out_rows = torch.empty(total, dtype=torch.int32, device=device)
-        seg = torch.empty(v + 1, dtype=torch.int32, device=device)
+        seg = torch.empty(signal_offsets + 1, dtype=torch.int32, device=device)
         launch(kernels.pairs_kernel, (row_blocks,), nmap, scan, in_rows, out_rows, seg, m,
-               pairs_at, offsets_total, V=v, BLOCK=_ROW_BLOCK,
-               V_CHUNK=pairs_v_chunk(v))
+               pairs_at, offsets_total, signal_offsets, V=v, BLOCK=_ROW_BLOCK,
+               V_CHUNK=pairs_v_chunk(signal_offsets))
         pairs = (in_rows, out_rows, seg)
     return gmap, pairs, flag_values

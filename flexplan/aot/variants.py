@@ -226,9 +226,9 @@ def segment_variants() -> Iterator[Variant]:
                                dict(level_constexprs, FLAGS=num_flags, BLOCK=seg._COMPACT_BLOCK))
         for offsets in (mirrored_signal_offsets(v), v):  # submanifold plans, strided ones
             yield make_variant("pairs", dict(nmap=i32, scan=i64, in_rows=i32, out_rows=i32, seg=i32,
-                                             n=m, pairs_at=n_blocks, pairs_first=n_blocks * v,
-                                             signal_offsets=offsets),
-                               dict(V=v, BLOCK=seg._ROW_BLOCK, V_CHUNK=seg.pairs_v_chunk(offsets)))
+                                             n=m, pairs_at=n_blocks, pairs_first=n_blocks * v),
+                               dict(V=v, SIGNAL=offsets, BLOCK=seg._ROW_BLOCK,
+                                    V_CHUNK=seg.pairs_v_chunk(offsets)))
     for m in REP_ROWS:
         yield make_variant(PLAN_HASH, dict(words_ptr=i64, partial_ptr=i64, n_words=m), dict(BLOCK=_TRITON_BLOCK))
 

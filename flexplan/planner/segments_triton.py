@@ -119,7 +119,7 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         out_rows = torch.empty(total, dtype=torch.int32, device=device)
         seg = torch.empty(signal_offsets + 1, dtype=torch.int32, device=device)
         launch(kernels.pairs_kernel, (row_blocks,), nmap, scan, in_rows, out_rows, seg, m,
-               pairs_at, offsets_total, signal_offsets, V=v, BLOCK=_ROW_BLOCK,
+               pairs_at, offsets_total, V=v, SIGNAL=signal_offsets, BLOCK=_ROW_BLOCK,
                V_CHUNK=pairs_v_chunk(signal_offsets))
         pairs = (in_rows, out_rows, seg)
     return gmap, pairs, flag_values

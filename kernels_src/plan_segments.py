@@ -73,17 +73,17 @@ def _bitwise_or(a, b):
 
 
 @triton.jit
-def _block_unions(sorted_ranks, unions, counts, n, source_rows, live, first, B: tl.constexpr,
+def _block_unions(sorted_ranks, unions, counts, n, rows, live, first, B: tl.constexpr,
                   CHUNK: tl.constexpr, WORDS: tl.constexpr, WORD_BITS: tl.constexpr):
-    """block_masks_kernel for one block size B: this program's blocks are entries first + k,
-    their rows source_rows of the sorted ranks. Returns the number of blocks of size B."""
+    """block_masks_kernel for one block size B: this program's blocks are entries first + k.
+    Returns the number of blocks of size B."""
     DT: tl.constexpr = sorted_ranks.dtype.element_ty
     lane = tl.arange(0, WORD_BITS).to(DT)
     block = tl.program_id(0) * (CHUNK // B) + tl.arange(0, CHUNK // B)
     n_blocks = (n + B - 1) // B
     count = tl.zeros([CHUNK // B], tl.int32)
     for w in tl.static_range(WORDS):
-        masks = _sorted_masks(sorted_ranks, source_rows, live, n, w, WORDS, WORD_BITS - 1)
+        masks = _sorted_masks(sorted_ranks, rows, live, n, w, WORDS, WORD_BITS - 1)
         # OR the words of each block's rows (one word per row); expand only the unions to bits.
         union = tl.reduce(tl.reshape(masks, [CHUNK // B, B]), 1, _bitwise_or)
         count += tl.sum(((union[:, None] >> lane[None, :]) & 1).to(tl.int32), axis=1)
@@ -92,25 +92,20 @@ def _block_unions(sorted_ranks, unions, counts, n, source_rows, live, first, B: 
     return n_blocks
 
 
-@triton.jit(do_not_specialize=["full_chunks"])
-def block_masks_kernel(sorted_ranks, order, sources, sorted_idx, unions, counts, n, full_chunks,
-                       WORDS: tl.constexpr, WORD_BITS: tl.constexpr, B0: tl.constexpr,
-                       LEVELS: tl.constexpr):
+@triton.jit
+def block_masks_kernel(sorted_ranks, order, sorted_idx, unions, counts, n, WORDS: tl.constexpr,
+                       WORD_BITS: tl.constexpr, B0: tl.constexpr, LEVELS: tl.constexpr):
     """Per block of every block size: unions[entry, w] = word w of the union of its sorted rows'
-    offset masks, counts[entry] = its number of offsets. Each program fills a chunk of the
-    largest block's rows, so every block lies in one program: chunk p of sorted_idx is chunk
-    sources[p] of order (p < full_chunks; the partial last one stays), as int32."""
+    offset masks, counts[entry] = its number of offsets. Each program takes a chunk of the
+    largest block's rows, so every block lies in one program. Also sorted_idx = int32(order)."""
     CHUNK: tl.constexpr = B0 << (LEVELS - 1)
-    pid = tl.program_id(0)
-    source = tl.load(sources + pid, mask=pid < full_chunks, other=pid)
-    rows = pid.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-    source_rows = source * CHUNK + tl.arange(0, CHUNK)
-    live = rows < n  # (a partial chunk is its own source)
-    tl.store(sorted_idx + rows, tl.load(order + source_rows, mask=live).to(tl.int32), mask=live)
+    rows = tl.program_id(0).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    live = rows < n
+    tl.store(sorted_idx + rows, tl.load(order + rows, mask=live).to(tl.int32), mask=live)
     first = 0  # entry of block 0 of the current block size
     for l in tl.static_range(LEVELS):
-        first += _block_unions(sorted_ranks, unions, counts, n, source_rows, live, first, B0 << l,
-                               CHUNK, WORDS, WORD_BITS)
+        first += _block_unions(sorted_ranks, unions, counts, n, rows, live, first, B0 << l, CHUNK,
+                               WORDS, WORD_BITS)
 
 
 @triton.jit

@@ -76,11 +76,7 @@ def _check_schedule(nmap, gmap, signal):
     ranks = [_gray_rank(row) for row in present]
     order = gmap.sorted_idx.cpu().tolist()
     assert sorted(order) == list(range(m))                                   # a permutation
-    gray = sorted(range(m), key=lambda i: (ranks[i], i))                     # stable Gray order
-    chunk = max(PLAN_BLOCK_SIZES)  # whole chunks of it by first row, a partial last one last
-    full = m // chunk
-    chunks = sorted((gray[c * chunk:(c + 1) * chunk] for c in range(full)), key=lambda c: c[0])
-    assert order == [i for c in chunks for i in c] + gray[full * chunk:]
+    assert order == sorted(range(m), key=lambda i: (ranks[i], i))            # stable Gray order
     for block in PLAN_BLOCK_SIZES:
         kernel, seg = gmap.valid_kernel[block].cpu().tolist(), gmap.valid_kernel_seg[block].cpu().tolist()
         n_blocks = -(-m // block)

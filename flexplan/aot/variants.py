@@ -218,10 +218,8 @@ def segment_variants() -> Iterator[Variant]:
         yield make_variant("gray_rank", dict(nmap=i32, ranks=word, counts=i32, n=m, pairs_at=n_blocks,
                                              signal_offsets=v),
                            dict(words_constexprs, V=v, BLOCK=seg._ROW_BLOCK))
-        yield make_variant("block_masks", dict(sorted_ranks=word, order=i64, sources=i64, sorted_idx=i32,
-                                               unions=word, counts=i32, n=m,
-                                               full_chunks=m // (smallest << (levels - 1))),
-                           level_constexprs)
+        yield make_variant("block_masks", dict(sorted_ranks=word, order=i64, sorted_idx=i32, unions=word,
+                                               counts=i32, n=m), level_constexprs)
         for num_flags in (0, 2):  # unchecked builds, and builds reading the coords check
             yield make_variant("compact_offsets", dict(unions=word, scan=i64, valid_kernel=i32, segs=i32,
                                                        flags=i64, sizes=i64, n=m, entries=n_blocks),

@@ -56,27 +56,6 @@ def gray_code_order(present: torch.Tensor) -> torch.Tensor:
     return sort_by_rank(gray_rank_words(present))[1]
 
 
-def block_source_order(order: torch.Tensor, block: int) -> torch.Tensor:
-    """int64 [M // block]: which whole block of `block` rows of `order` goes to each block
-    position, by ascending first row; the partial last block, if any, stays last.
-
-    Blocks stay as the Gray order formed them (one mask each, mostly), but the GPU then runs
-    blocks of nearby rows at the same time. Rows come in spatial order from voxelization, sorted
-    coords and strided plans (torch.unique), so their neighbours are shared and stay in L2:
-    gather-GEMM 5-22% faster at R = 512-1024, C = 32-128 on the H100, where global Gray order
-    runs one mask class at a time across the whole grid."""
-    full = order.shape[0] // block
-    # int32 keys (rows): half the radix passes of int64; distinct, so any sort is stable.
-    return torch.sort(order[:full * block:block].to(torch.int32))[1]
-
-
-def spatial_block_order(order: torch.Tensor, block: int) -> torch.Tensor:
-    """`order` with its whole blocks in block_source_order."""
-    full = order.shape[0] // block
-    blocks = order[:full * block].view(full, block)[block_source_order(order, block)]
-    return torch.cat([blocks.reshape(-1), order[full * block:]])
-
-
 def block_valid_offsets(present_sorted: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """valid_kernel, valid_kernel_seg for blocks of `block` consecutive sorted rows."""
     m, v = present_sorted.shape
@@ -127,8 +106,6 @@ def gather_map(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],
         return plan_schedule_triton(neighbor_map, block_sizes, 0)[0]
     present = neighbor_map != MISSING
     order = gray_code_order(present)
-    if block_sizes:
-        order = spatial_block_order(order, max(block_sizes))
     present_sorted = present[order]
     kernels, segs = {}, {}
     for block in block_sizes:

@@ -8,8 +8,7 @@ each block, then the pairs of each (offset, row block). The scan also places eac
 offsets and each pair. The offsets go to a buffer of the worst-case size before the one sync
 (the sums at the segment ends, plus the caller's flags); the pairs, after it.
 
-Launches: gray ranks, sort, block order (a sort of the blocks' first rows), block unions, scan,
-offsets (and the sizes to read), read, pairs.
+Launches: gray ranks, sort, block unions, scan, offsets (and the sizes to read), read, pairs.
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ import triton
 
 from ..launcher import launch
 from ..plan import GatherMap
-from .segments import block_source_order, gather_map, rank_words, sort_by_rank, valid_signal
+from .segments import gather_map, rank_words, sort_by_rank, valid_signal
 
 _ROW_BLOCK = 128  # rows per program of gray_rank and pairs (pairs are counted per row block)
 _COMPACT_BLOCK = 64
@@ -77,12 +76,10 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
            signal_offsets, V=v, WORDS=words, WORD_BITS=word_bits, BLOCK=_ROW_BLOCK)
     if levels:
         sorted_ranks, order = sort_by_rank(ranks)
-        sources = block_source_order(order, smallest << (levels - 1))
         sorted_idx = torch.empty(m, dtype=torch.int32, device=device)
         unions = torch.empty((pairs_at, words), dtype=word_dtype, device=device)
-        launch(kernels.block_masks_kernel, (level_blocks[-1],), sorted_ranks, order, sources,
-               sorted_idx, unions, counts, m, sources.shape[0], WORDS=words, WORD_BITS=word_bits,
-               B0=smallest, LEVELS=levels)
+        launch(kernels.block_masks_kernel, (level_blocks[-1],), sorted_ranks, order, sorted_idx,
+               unions, counts, m, WORDS=words, WORD_BITS=word_bits, B0=smallest, LEVELS=levels)
     else:
         unions = ranks  # not read: no block sizes, no blocks
     scan = counts.cumsum(0)  # int64

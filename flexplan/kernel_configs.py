@@ -12,6 +12,9 @@ from dataclasses import dataclass
 # Row-block sizes of the masked implicit GEMM kernels. The planner builds valid_kernel /
 # valid_kernel_seg for each, so every masked-kernel config must take its BLOCK_M from here.
 PLAN_BLOCK_SIZES = (16, 32, 64, 128)
+# The gather kernels run the sorted rows in chunks of this many (GatherMap.chunk_order); every
+# row block size of a kernel config divides it.
+SCHEDULE_CHUNK = max(PLAN_BLOCK_SIZES)
 
 # Kernel families: the gather-GEMM (forward and grad-input) and grad-weight over pairs.
 GATHER_GEMM = "conv_gather_gemm"

@@ -14,6 +14,7 @@ from typing import Mapping, Optional
 import torch
 
 from .geometry import ConvGeometry
+from .kernel_configs import SCHEDULE_CHUNK
 
 # Bump whenever a field's meaning or layout changes: the plan cache keys on it.
 PLAN_FORMAT_VERSION = 2  # 2: submanifold plans keep the mirrored half of valid_signal
@@ -60,6 +61,26 @@ class GatherMap:
         kernels read (one offset's neighbours of a block of sorted rows are contiguous).
         Derived on first use and kept with the plan object, not written to plan files."""
         return self.neighbor_map[self.sorted_idx.long()].t().contiguous()
+
+    @functools.cached_property
+    def chunk_order(self) -> torch.Tensor:
+        """int32 [ceil(M / SCHEDULE_CHUNK)]: the order in which the gather kernels run the chunks
+        of SCHEDULE_CHUNK sorted rows (every block size of the plan tiles them): whole chunks by
+        ascending first row, a partial last chunk last.
+
+        Blocks stay as the Gray order formed them, but the GPU runs chunks of nearby rows at the
+        same time: rows come in spatial order from voxelization, sorted coords and strided plans
+        (torch.unique), so their neighbours are shared and stay in L2 (H100 gather-GEMM 5-22%
+        faster at R = 512-1024, C = 32-128, than in Gray order, which runs one mask class at a
+        time across the whole grid). Derived on first use, like sorted_map_t."""
+        m = self.num_rows
+        full = m // SCHEDULE_CHUNK
+        # int32 keys (rows): half the radix passes of int64; distinct, so any sort is stable.
+        firsts = self.sorted_idx[:full * SCHEDULE_CHUNK:SCHEDULE_CHUNK].contiguous()
+        order = torch.sort(firsts)[1].to(torch.int32)
+        if m % SCHEDULE_CHUNK:
+            order = torch.cat([order, order.new_full((1,), full)])
+        return order
 
     @property
     def block_sizes(self) -> tuple[int, ...]:

@@ -1,7 +1,9 @@
 """Gather-GEMM: out[m] = sum_v src[map[m, v]] @ W_v, the one kernel of forward and grad-input.
 
 One program computes a BLOCK_M x BLOCK_N tile of out ([M, N]) for BLOCK_M consecutive rows of
-the plan's Gray-code order (order[i] is the output row); the reduction runs over (offset v,
+the plan's Gray-code order (order[i] is the output row); programs take those row blocks chunk
+by chunk of CHUNK rows in GatherMap.chunk_order (chunks of nearby rows together, for L2 reuse
+of the gathered rows). The reduction runs over (offset v,
 K-chunk) pairs, gathering the rows of src through the neighbour map on the fly (implicit GEMM:
 the [M, V*K] im2col matrix is never built). The map comes as GatherMap.sorted_map_t, [V, M] in
 that order: a block's neighbours of one offset are one contiguous load (H100: 5-38% faster
@@ -28,18 +30,21 @@ from .conv_common import dot_acc
 
 @triton.jit
 def conv_gather_gemm_kernel(
-    src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, valid_kernel_ptr, valid_kernel_seg_ptr,
-    out_ptr,
+    src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr, valid_kernel_ptr,
+    valid_kernel_seg_ptr, out_ptr,
     M, K, N, V,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     MASKED: tl.constexpr, REVERSE_V: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ALLOW_TF32: tl.constexpr,
+    ALLOW_TF32: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_m = pid_mn // n_tiles
     pid_n = pid_mn % n_tiles
+    BLOCKS_PER_CHUNK: tl.constexpr = CHUNK // BLOCK_M
+    chunk = tl.load(chunk_order_ptr + pid_m // BLOCKS_PER_CHUNK)
+    pid_m = chunk * BLOCKS_PER_CHUNK + pid_m % BLOCKS_PER_CHUNK
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < M

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from flexplan.kernel_configs import GATHER_GEMM, heuristic_config  # noqa: E402
+from flexplan.kernel_configs import GATHER_GEMM, SCHEDULE_CHUNK, heuristic_config  # noqa: E402
 from flexplan.kernels_src.conv_gather_gemm import conv_gather_gemm_kernel  # noqa: E402
 from flexplan.kernels_src.conv_wgrad import conv_wgrad_kernel  # noqa: E402
 from flexplan.tuning import dispatch  # noqa: E402
@@ -55,16 +55,17 @@ AUTOTUNE_PROBLEMS = ((256, 64, "float16", "fwd"), (128, 512, "tf32", "dgrad"),
 # @triton.autotune needs the split count in the config: these wrappers take it as an extra
 # constexpr (SPLITS, read by the grid) and run the very same kernel.
 @triton.jit
-def gather_gemm_splits(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, valid_kernel_ptr,
-                       valid_kernel_seg_ptr, out_ptr, M, K, N, V,
+def gather_gemm_splits(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr,
+                       valid_kernel_ptr, valid_kernel_seg_ptr, out_ptr, M, K, N, V,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT: tl.constexpr, MASKED: tl.constexpr, REVERSE_V: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, ALLOW_TF32: tl.constexpr, SPLITS: tl.constexpr):
-    conv_gather_gemm_kernel(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, valid_kernel_ptr,
-                            valid_kernel_seg_ptr, out_ptr, M, K, N, V, BLOCK_M=BLOCK_M,
-                            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT, MASKED=MASKED,
-                            REVERSE_V=REVERSE_V, HAS_BIAS=HAS_BIAS,
-                            ALLOW_TF32=ALLOW_TF32)
+                       HAS_BIAS: tl.constexpr, ALLOW_TF32: tl.constexpr, CHUNK: tl.constexpr,
+                       SPLITS: tl.constexpr):
+    conv_gather_gemm_kernel(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr,
+                            valid_kernel_ptr, valid_kernel_seg_ptr, out_ptr, M, K, N, V,
+                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT,
+                            MASKED=MASKED, REVERSE_V=REVERSE_V, HAS_BIAS=HAS_BIAS,
+                            ALLOW_TF32=ALLOW_TF32, CHUNK=CHUNK)
 
 
 @triton.jit
@@ -112,11 +113,13 @@ def wrapper_launch(work, part, max_splits):
             bm = nargs["BLOCK_M"]
             vk[:gmap.valid_kernel[bm].numel()].copy_(gmap.valid_kernel[bm])
             seg[:gmap.valid_kernel_seg[bm].numel()].copy_(gmap.valid_kernel_seg[bm])
-    args = (src, w_nvk, w_nvk, gmap.sorted_map_t, gmap.sorted_idx, vk, seg, dest, m, k, n, v)
+    args = (src, w_nvk, w_nvk, gmap.sorted_map_t, gmap.sorted_idx, gmap.chunk_order, vk, seg, dest,
+            m, k, n, v)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])
-    consts = dict(MASKED=masked, REVERSE_V=reverse, HAS_BIAS=False, ALLOW_TF32=allow_tf32)
+    consts = dict(MASKED=masked, REVERSE_V=reverse, HAS_BIAS=False, ALLOW_TF32=allow_tf32,
+                  CHUNK=SCHEDULE_CHUNK)
     return gather_gemm_splits, grid, args, consts, hook, dest
 
 

@@ -160,7 +160,7 @@ def gather_gemm_variants(problem: Problem, cfg: KernelConfig) -> Iterator[Varian
     out = ("tensor", _acc_dtype(problem.dtype)) if cfg.splitk > 1 else feat
     m, k, n = problem.gemm_mkn
     values = dict(src_ptr=feat, weight_ptr=feat, bias_ptr=feat, map_ptr=i32, order_ptr=i32,
-                  valid_kernel_ptr=i32, valid_kernel_seg_ptr=i32, out_ptr=out,
+                  chunk_order_ptr=i32, valid_kernel_ptr=i32, valid_kernel_seg_ptr=i32, out_ptr=out,
                   M=m, K=k, N=n, V=problem.v)
     reverses = (True, False) if problem.part == "dgrad" else (False,)
     biases = (True, False) if problem.part == "fwd" and cfg.splitk == 1 else (False,)

@@ -19,8 +19,8 @@ from dataclasses import replace
 
 import torch
 
-from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, WGRAD, KernelConfig,
-                              Problem, choose_algo)
+from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, SCHEDULE_CHUNK, WGRAD,
+                              KernelConfig, Problem, choose_algo)
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, GatherMap
 from ..tuning import select_config
@@ -59,7 +59,7 @@ def _block_for(gmap: GatherMap, block_m: int) -> int:
 def gather_gemm_constexprs(cfg: KernelConfig, masked: bool, reverse: bool, has_bias: bool,
                            allow_tf32: bool) -> dict:
     return dict(cfg.launch_kwargs(), MASKED=masked, REVERSE_V=reverse, HAS_BIAS=has_bias,
-                ALLOW_TF32=allow_tf32)
+                ALLOW_TF32=allow_tf32, CHUNK=SCHEDULE_CHUNK)
 
 
 def wgrad_constexprs(cfg: KernelConfig, allow_tf32: bool) -> dict:
@@ -102,7 +102,7 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
     grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n), cfg.splitk)
     launch(conv_gather_gemm_kernel, grid,
            src, w_nvk, bias if has_bias else w_nvk, gmap.sorted_map_t, gmap.sorted_idx,
-           valid_kernel, valid_kernel_seg,
+           gmap.chunk_order, valid_kernel, valid_kernel_seg,
            dest, m, k, n, v, **gather_gemm_constexprs(cfg, masked, reverse, has_bias, allow_tf32))
     if split:
         total = dest.sum(0)

@@ -23,6 +23,7 @@ from triton.testing import do_bench
 
 from flexplan import ConvGeometry, build_plan
 from flexplan.kernel_configs import PLAN_BLOCK_SIZES
+from flexplan.plan import mirrored_signal_offsets
 from flexplan.planner.hashmap import submanifold_neighbor_map_triton
 from flexplan.planner.reference import submanifold_neighbor_map_torch
 from flexplan.planner.segments import gather_map, plan_schedule, valid_signal
@@ -34,6 +35,7 @@ from bench_common import dense_tflops, today
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_planner.md")
 DATE = today()
 GEOMETRY = ConvGeometry.make(3)
+SIGNAL_OFFSETS = mirrored_signal_offsets(GEOMETRY.volume)  # what build_plan keeps
 
 
 def bench(fn):
@@ -92,7 +94,7 @@ def run_size(r):
         "  neighbour map + coords check (hash table)": lambda: submanifold_neighbor_map_triton(
             coords, shape, 1, GEOMETRY),
         "  schedule: gray sort, valid_kernel (all blocks), valid_signal": lambda: plan_schedule(
-            nmap, PLAN_BLOCK_SIZES),
+            nmap, PLAN_BLOCK_SIZES, signal_offsets=SIGNAL_OFFSETS),
         "check_coords alone (SparseTensor's check)": lambda: check_coords(coords, shape, 1),
         "torch backend build_plan": lambda: build_plan(coords, shape, 1, GEOMETRY,
                                                        backend="torch"),
@@ -100,7 +102,7 @@ def run_size(r):
                                                                         GEOMETRY),
         "  torch gray sort + valid_kernel": lambda: gather_map(nmap, PLAN_BLOCK_SIZES,
                                                                backend="torch"),
-        "  torch valid_signal": lambda: valid_signal(nmap, backend="torch"),
+        "  torch valid_signal": lambda: valid_signal(nmap, "torch", SIGNAL_OFFSETS),
     }
     times.update(spconv_timers(coords, r))
     row = {"R": r, "N": coords.shape[0], "equal": equal}

@@ -104,16 +104,8 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     level_ends, pairs_end = values[num_flags:-1], values[-1]
     offsets_total = level_ends[-1] if levels else 0
 
-    gmap = None
-    if levels:
-        lengths = [b - a for a, b in zip([0] + level_ends, level_ends)]  # valid_kernel per size
-        kernel_at = _aligned_starts(lengths, kernels.ALIGN.value)  # where the kernel put them
-        gmap = GatherMap(
-            nmap, sorted_idx,
-            {smallest << l: valid_kernel.narrow(0, kernel_at[l], lengths[l]) for l in range(levels)},
-            {smallest << l: segs.narrow(0, seg_at[l], level_blocks[l] + 1) for l in range(levels)})
     pairs = None
-    if signal_offsets:
+    if signal_offsets:  # launched first: the Python below then runs while the GPU writes pairs
         total = pairs_end - offsets_total
         in_rows = torch.empty(total, dtype=torch.int32, device=device)
         out_rows = torch.empty(total, dtype=torch.int32, device=device)
@@ -122,4 +114,12 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
                pairs_at, offsets_total, V=v, SIGNAL=signal_offsets, BLOCK=_ROW_BLOCK,
                V_CHUNK=pairs_v_chunk(signal_offsets))
         pairs = (in_rows, out_rows, seg)
+    gmap = None
+    if levels:
+        lengths = [b - a for a, b in zip([0] + level_ends, level_ends)]  # valid_kernel per size
+        kernel_at = _aligned_starts(lengths, kernels.ALIGN.value)  # where the kernel put them
+        gmap = GatherMap(
+            nmap, sorted_idx,
+            {smallest << l: valid_kernel.narrow(0, kernel_at[l], lengths[l]) for l in range(levels)},
+            {smallest << l: segs.narrow(0, seg_at[l], level_blocks[l] + 1) for l in range(levels)})
     return gmap, pairs, flag_values

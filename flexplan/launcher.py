@@ -6,12 +6,14 @@ the CUDA driver where flexplan.aot.direct covers them, else through Triton (its 
 the binary from the bundle, or compiles). Set FLEXPLAN_AOT=0 to always JIT-compile. Under
 TRITON_INTERPRET=1 kernels are interpreter functions: launched as is.
 
-Repeated calls skip the resolution. Triton's binder (and the direct launcher, which reuses it)
-costs 35-55 us of host time per launch on the H100 machines, more than many planner kernels
-run; a call whose arguments fall in a class seen before goes straight to the binary that
-served that class. The class refines Triton's specialization (dtype and 16-byte alignment of
-each tensor; whether an int is 1, a multiple of 16, and its integer width; the constexprs), so
-two calls of one class always take the same binary.
+Repeated calls skip the resolution: a call whose arguments fall in a class seen before goes
+straight to the binary that served that class, without Triton's binder and cache lookup (which
+the direct launcher reuses too). A Triton launch costs 20-55 us of host time on the H100
+machines, more than many planner kernels run; gray_rank in a tight loop: 21.8 us through
+kernel[grid], 17.4 us here, of which Triton's C launcher is 6.0. The class refines Triton's
+specialization (dtype and 16-byte alignment of each tensor; whether an int is 1, a multiple of
+16, and its integer width; the constexprs), so two calls of one class always take the same
+binary.
 """
 from __future__ import annotations
 

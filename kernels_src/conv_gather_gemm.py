@@ -42,7 +42,6 @@ def conv_gather_gemm_kernel(
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_m = pid_mn // n_tiles
     pid_n = pid_mn % n_tiles
-    tl.static_assert(CHUNK % BLOCK_M == 0, "BLOCK_M must divide the schedule chunk")
     BLOCKS_PER_CHUNK: tl.constexpr = CHUNK // BLOCK_M
     chunk = tl.load(chunk_order_ptr + pid_m // BLOCKS_PER_CHUNK)
     pid_m = chunk * BLOCKS_PER_CHUNK + pid_m % BLOCKS_PER_CHUNK

@@ -97,10 +97,8 @@ def _resolve_and_launch(kernel, grid, args: tuple, constexprs: dict):
     if _aot_enabled():
         from .aot import runtime
 
-        binary, bound = direct.kernel_for(kernel, args, constexprs)
+        binary = direct.launch(kernel, grid, args, constexprs)
         if binary is not None:
-            binary.launch(grid(bound) if callable(grid) else grid, direct.current_stream(),
-                          list(bound.values()))
             return binary.launch
         runtime.install()
         compiled = kernel[grid](*args, **constexprs)

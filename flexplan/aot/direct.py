@@ -69,17 +69,18 @@ def reset() -> None:
     _not_bundled.clear()
 
 
-def launch(fn, grid, args: tuple, kwargs: dict) -> bool:
-    """Run fn[grid](*args, **kwargs) from a bundle binary through the driver API; False when the
-    call is left to Triton (nothing launched)."""
-    kernel, bound = kernel_for(fn, args, kwargs)
-    if kernel is None:
-        return False
-    kernel.launch(grid(bound) if callable(grid) else grid, current_stream(), list(bound.values()))
-    return True
+def launch(fn, grid, args: tuple, kwargs: dict) -> DirectKernel | None:
+    """Run fn[grid](*args, **kwargs) from a bundle binary through the driver API and return the
+    binary (its launch(grid, stream, every parameter) repeats such calls); None when the call is
+    left to Triton (nothing launched)."""
+    kernel, bound = _kernel_for(fn, args, kwargs)
+    if kernel is not None:
+        kernel.launch(grid(bound) if callable(grid) else grid, current_stream(),
+                      list(bound.values()))
+    return kernel
 
 
-def kernel_for(fn, args: tuple, kwargs: dict) -> tuple[DirectKernel | None, dict | None]:
+def _kernel_for(fn, args: tuple, kwargs: dict) -> tuple[DirectKernel | None, dict | None]:
     """(the bundle binary that serves fn(*args, **kwargs) here, the call's bound arguments: every
     parameter, in order), or (None, None): the call is Triton's."""
     # JIT users (no bundle holds the kernel) return here, before any other per-launch cost.

@@ -73,12 +73,12 @@ def _constexpr_tail(kernel, args: tuple, constexprs: dict) -> tuple | None:
     return tuple(tail)
 
 
-def _call_key(kernel, args: tuple, constexprs: dict):
+def _call_key(kernel, device: int, args: tuple, constexprs: dict):
     classes = tuple(_arg_class(a) for a in args)
     if _UNCACHEABLE in classes:
         return None
     try:
-        return id(kernel), torch.cuda.current_device(), classes, tuple(constexprs.items())
+        return id(kernel), device, classes, tuple(constexprs.items())
     except TypeError:  # an unhashable constexpr: resolve every time
         return None
 
@@ -115,11 +115,12 @@ def launch(kernel, grid, *args, **constexprs):
     if not isinstance(kernel, JITFunction):  # the interpreter's functions
         kernel[grid](*args, **constexprs)
         return
-    key = None if callable(grid) else _call_key(kernel, args, constexprs)
+    device = torch.cuda.current_device()
+    key = None if callable(grid) else _call_key(kernel, device, args, constexprs)
     call = _calls.get(key) if key is not None else None
     if call is not None and not direct.triton_hooks_set(kernel):
         run, tail = call
-        run(grid, direct.current_stream(), args + tail)
+        run(grid, direct.current_stream(device), args + tail)
         return
     run = _resolve_and_launch(kernel, grid, args, constexprs)
     if key is not None and run is not None:

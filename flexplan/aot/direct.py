@@ -106,10 +106,11 @@ def _kernel_for(fn, args: tuple, kwargs: dict) -> tuple[DirectKernel | None, dic
     return (kernel, bound) if kernel is not None else (None, None)
 
 
-def current_stream() -> int:
-    """The raw handle of the current device's current stream, as Triton's CUDA driver reads it
-    (no Stream object per launch)."""
-    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+def current_stream(device: int | None = None) -> int:
+    """The raw handle of the current stream of `device` (default: the current device), as
+    Triton's CUDA driver reads it (no Stream object per launch)."""
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device() if device is None
+                                              else device)
 
 
 def triton_hooks_set(fn) -> bool:

@@ -237,10 +237,11 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
     for dtype in (torch.float32, torch.float16):
         x = SparseTensor(torch.randn(len(coords), 16, generator=gen).to(dtype).requires_grad_(),
                          coords, (8, 8, 8), 1)
-        conv = SubMConv3d(16, 16, dtype=dtype)
-        conv(x).feats.float().square().sum().backward()
+        for algo in ("auto", "explicit"):  # explicit: its im2col kernel
+            conv = SubMConv3d(16, 16, dtype=dtype, algo=algo)
+            conv(x).feats.float().square().sum().backward()
     kernels = {k.split(":")[1] for k in KERNELS.values()}
-    assert {s[0] for s in seen} >= {"conv_gather_gemm_kernel", "conv_wgrad_kernel",
+    assert {s[0] for s in seen} >= {"conv_gather_gemm_kernel", "conv_wgrad_kernel", "im2col_kernel",
                                     "hash_insert_kernel", "submanifold_neighbor_map_kernel"}
     # (the plan-segment kernels run only on a GPU: the bench checks them, zero compilations)
     for call in seen:

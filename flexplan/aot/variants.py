@@ -40,6 +40,7 @@ LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
 HASH_INSERT, HASH_SUBM_NMAP = "hash_insert", "submanifold_neighbor_map"
 SEGMENT_KERNELS = ("gray_rank", "block_masks", "compact_offsets", "pairs")
 PLAN_HASH = "plan_hash"
+IM2COL = "im2col"
 # Kernels: short name -> "module:attribute" in KERNEL_PACKAGE.
 KERNELS = {
     GATHER_GEMM: "conv_gather_gemm:conv_gather_gemm_kernel",
@@ -48,6 +49,7 @@ KERNELS = {
     HASH_SUBM_NMAP: "hashmap:submanifold_neighbor_map_kernel",
     **{name: f"plan_segments:{name}_kernel" for name in SEGMENT_KERNELS},
     PLAN_HASH: "plan_hash:plan_hash_kernel",
+    IM2COL: "conv_im2col:im2col_kernel",
 }
 
 
@@ -112,7 +114,7 @@ def representative_problems(channels: Iterable[int] | None = None) -> Iterator[P
             DTYPES, ("fwd", "dgrad", "wgrad"), REP_ROWS, channel_pairs(channels), REP_VOLUMES):
         rows = n * v if part == "wgrad" else n  # wgrad's rows are pairs
         algo = choose_algo(part, rows, ci, co, v, dtype)
-        if algo != "explicit":  # torch ops only: nothing to compile
+        if algo != "explicit":  # explicit: im2col_variants covers its one kernel
             yield Problem(rows, ci, co, v, dtype, algo, part)
 
 
@@ -233,6 +235,20 @@ def segment_variants() -> Iterator[Variant]:
         yield make_variant(PLAN_HASH, dict(words_ptr=i64, partial_ptr=i64, n_words=m), dict(BLOCK=_TRITON_BLOCK))
 
 
+def im2col_variants() -> Iterator[Variant]:
+    """The launches of ops.sparse_conv._im2col_chunks (the explicit algorithm's gather), for
+    every feature dtype; its tile is fixed, so rows and channels only vary the int classes."""
+    from ..kernel_configs import IM2COL_BLOCK_K, IM2COL_BLOCK_M
+
+    i32 = ("tensor", "int32")
+    for dtype, reverse, rows, v in itertools.product(
+            sorted({_torch_dtype(d) for d in DTYPES}), (False, True), REP_ROWS[:2], REP_VOLUMES):
+        feat = ("tensor", dtype)
+        yield make_variant(IM2COL, dict(src_ptr=feat, map_ptr=i32, out_ptr=feat, row_start=0,
+                                        rows=rows, K=1024, V=v),
+                           dict(REVERSE_V=reverse, BLOCK_M=IM2COL_BLOCK_M, BLOCK_K=IM2COL_BLOCK_K))
+
+
 _VARIANTS_OF = {GATHER_GEMM: gather_gemm_variants, WGRAD: wgrad_variants}
 
 
@@ -241,7 +257,7 @@ def enumerate_variants(kernel_filter: str | None = None, channels: Iterable[int]
     """Every variant to build for these targets (default: all), deduplicated, in a stable order;
     kernel_filter keeps the kernels whose short name contains it."""
     seen: dict[Variant, None] = {}
-    for variant in itertools.chain(planner_variants(), segment_variants()):
+    for variant in itertools.chain(planner_variants(), segment_variants(), im2col_variants()):
         if not kernel_filter or kernel_filter in variant.kernel:
             seen.setdefault(variant, None)
     sources = config_sources(targets)

@@ -14,13 +14,13 @@ algorithms); "explicit" uses torch for it.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 import torch
 
-from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, SCHEDULE_CHUNK, WGRAD,
-                              KernelConfig, Problem, choose_algo)
+from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, IM2COL_BLOCK_K,
+                              IM2COL_BLOCK_M, SCHEDULE_CHUNK, WGRAD, KernelConfig, Problem,
+                              choose_algo)
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, GatherMap
 from ..tuning import select_config
@@ -112,20 +112,26 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
     return out
 
 
-def _im2col_chunks(src, nmap):
-    """(first row, [rows, V * K] gathered block) over the map's rows, in chunks that keep the
-    block within EXPLICIT_WORKSPACE_BYTES; missing neighbours read a zero row."""
+def _im2col_chunks(src, nmap, reverse: bool = False):
+    """(first row, [rows, V * K] gathered block) over the map's rows, in equal chunks that keep
+    each block within EXPLICIT_WORKSPACE_BYTES (equal: a short last chunk would multiply at a
+    fraction of the GEMM rate); missing neighbours read zeros. reverse: block column v gathers
+    through map column V - 1 - v."""
+    from ..kernels_src.conv_im2col import im2col_kernel
+
     m, v = nmap.shape
-    padded = torch.cat([src, src.new_zeros((1, src.shape[1]))])  # index -1 reads the zero row
-    rows = max(1, EXPLICIT_WORKSPACE_BYTES // max(1, v * src.shape[1] * src.element_size()))
+    k = src.shape[1]
+    if m == 0:
+        return
+    nmap = nmap.contiguous()  # (plans hold contiguous maps: then a no-op)
+    chunks = _cdiv(m * v * k * src.element_size(), EXPLICIT_WORKSPACE_BYTES)
+    rows = _cdiv(m, chunks)
     for start in range(0, m, rows):
-        block = nmap[start:start + rows].long()
-        yield start, padded[block].reshape(block.shape[0], -1)
-
-
-@functools.lru_cache(maxsize=None)
-def _reversed_columns(v: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(v - 1, -1, -1, device=device)
+        count = min(rows, m - start)
+        cols = src.new_empty((count, v * k))
+        launch(im2col_kernel, (_cdiv(count, IM2COL_BLOCK_M), v), src, nmap, cols, start, count, k, v,
+               REVERSE_V=reverse, BLOCK_M=IM2COL_BLOCK_M, BLOCK_K=IM2COL_BLOCK_K)
+        yield start, cols
 
 
 def _explicit_gather_gemm(src, weight, bias, nmap, reverse, part):
@@ -135,12 +141,9 @@ def _explicit_gather_gemm(src, weight, bias, nmap, reverse, part):
     if part == "fwd":
         w = weight.reshape(co, v * ci).t()
     else:
-        # Reversed offsets: reorder the small map's columns rather than the large weight
-        # (index_select: torch.flip cost ~300 us of host time per call on the H100 machines).
-        nmap = nmap.index_select(1, _reversed_columns(v, nmap.device)) if reverse else nmap
         w = weight.transpose(0, 1).reshape(v * co, ci)            # [V * Co, Ci], one copy
     out = src.new_empty((nmap.shape[0], w.shape[1]))
-    for start, cols in _im2col_chunks(src, nmap):
+    for start, cols in _im2col_chunks(src, nmap, reverse):
         torch.mm(cols, w, out=out[start:start + cols.shape[0]])
     return out + bias if bias is not None else out
 

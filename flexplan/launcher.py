@@ -43,14 +43,15 @@ def forget_calls() -> None:
 
 
 def _arg_class(arg):
-    """What Triton specializes a runtime argument on, or more; _UNCACHEABLE for other types."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() & 15 == 0
+    """What Triton specializes a runtime argument on, or more; _UNCACHEABLE for other types.
+    (Ints first: most arguments are; bool is not int here, so flags get their own class.)"""
     kind = type(arg)
-    if kind is bool:
-        return arg
     if kind is int:
         return arg == 1, arg & 15 == 0, -2**31 <= arg < 2**31, -2**63 <= arg < 2**63
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() & 15 == 0
+    if kind is bool:
+        return arg
     return _UNCACHEABLE
 
 
@@ -74,7 +75,7 @@ def _constexpr_tail(kernel, args: tuple, constexprs: dict) -> tuple | None:
 
 
 def _call_key(kernel, device: int, args: tuple, constexprs: dict):
-    classes = tuple(_arg_class(a) for a in args)
+    classes = tuple(map(_arg_class, args))
     if _UNCACHEABLE in classes:
         return None
     try:

@@ -5,7 +5,8 @@ Offset masks travel as Gray ranks in words of WORD_BITS bits (int32 or int64), W
 mask bits each so that words stay positive and signed sorting is unsigned order. A rank is the
 mask's inverse Gray code, so the mask comes back as rank ^ (rank >> 1).
 
-`counts` is one int32 buffer whose inclusive prefix sum `scan` (int64) places every output:
+`counts` is one int32 buffer whose inclusive prefix sum `scan` (int32, or int64 where its total
+could pass 2^31) places every output:
 entries [0, pairs_at) are the blocks of every block size (B0 << l for l < LEVELS, size after
 size), entries from pairs_at on are the pairs of each (offset v, row block p) at
 pairs_at + v * row_blocks + p, for the offsets v < signal_offsets that get pairs. An entry's output starts at scan[entry - 1] (0 for entry 0),

@@ -134,15 +134,17 @@ def test_plan_invariants(shape, batch, kernel, dilation, n, device):
     assert plan.num_pairs == int((nmap != MISSING).sum())
 
 
-# volumes: one int32, one int64, two int64 rank words; 1100 rows: block sizes meet mid-program
-@pytest.mark.parametrize("volume,m", [(27, 157), (45, 157), (125, 157), (27, 1100)])
-def test_schedule_backends_agree_on_any_map(volume, m, device):
-    """Non-symmetric maps (strided plans) too: random MISSING pattern and rows."""
+def _random_map(volume: int, m: int, device) -> torch.Tensor:
+    """A non-symmetric map (as strided plans have): random rows and MISSING pattern."""
     g = torch.Generator().manual_seed(volume)
     nmap = torch.randint(0, 40, (m, volume), generator=g, dtype=torch.int32)
     nmap[torch.rand(m, volume, generator=g) < 0.6] = MISSING
     nmap[:5] = MISSING                                                       # empty rows too
-    nmap = nmap.to(device)
+    return nmap.to(device)
+
+
+def _assert_schedule_backends_agree(nmap):
+    volume = nmap.shape[1]
     gmaps = {b: gather_map(nmap, PLAN_BLOCK_SIZES, backend=b) for b in ("torch", "triton")}
     signals = {b: valid_signal(nmap, backend=b) for b in ("torch", "triton")}
     for a, b in zip(signals["torch"], signals["triton"]):
@@ -156,6 +158,22 @@ def test_schedule_backends_agree_on_any_map(volume, m, device):
         assert torch.equal(ga.valid_kernel[block], gb.valid_kernel[block])
         assert torch.equal(ga.valid_kernel_seg[block], gb.valid_kernel_seg[block])
     _check_schedule(nmap, gb, signals["triton"])
+
+
+# volumes: one int32, one int64, two int64 rank words; 1100 rows: block sizes meet mid-program
+@pytest.mark.parametrize("volume,m", [(27, 157), (45, 157), (125, 157), (27, 1100)])
+def test_schedule_backends_agree_on_any_map(volume, m, device):
+    _assert_schedule_backends_agree(_random_map(volume, m, device))
+
+
+def test_schedule_with_an_int64_scan(monkeypatch, device):
+    """Maps whose counts could sum past 2^31 get an int64 scan (forced here): same schedule."""
+    from flexplan.planner import segments_triton
+
+    used = []
+    monkeypatch.setattr(segments_triton, "scan_dtype", lambda bound: used.append(bound) or torch.int64)
+    _assert_schedule_backends_agree(_random_map(27, 300, device))
+    assert used
 
 
 @pytest.mark.parametrize("n", [0, 1])

@@ -117,8 +117,9 @@ def triton_hooks_set(fn) -> bool:
     from triton import knobs
 
     # Launch hooks are HookChains (a list of calls), or a plain callable when assigned directly.
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return bool(fn.pre_run_hooks) or any(getattr(hook, "calls", hook) for hook in hooks)
+    # (Spelled out, no generator: this runs on every launch.)
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(fn.pre_run_hooks or getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_))
 
 
 @dataclass

@@ -222,12 +222,14 @@ def segment_variants() -> Iterator[Variant]:
                            dict(words_constexprs, V=v, BLOCK=seg._ROW_BLOCK))
         yield make_variant("block_masks", dict(sorted_ranks=word, order=i64, sorted_idx=i32, unions=word,
                                                counts=i32, n=m), level_constexprs)
-        for num_flags in (0, 2):  # unchecked builds, and builds reading the coords check
-            yield make_variant("compact_offsets", dict(unions=word, scan=i64, valid_kernel=i32, segs=i32,
+        # unchecked builds and builds reading the coords check; scans of int32 and of int64
+        for num_flags, scan in itertools.product((0, 2), (i32, i64)):
+            yield make_variant("compact_offsets", dict(unions=word, scan=scan, valid_kernel=i32, segs=i32,
                                                        flags=i64, sizes=i64, n=m, entries=n_blocks),
                                dict(level_constexprs, FLAGS=num_flags, BLOCK=seg._COMPACT_BLOCK))
-        for offsets in (mirrored_signal_offsets(v), v):  # submanifold plans, strided ones
-            yield make_variant("pairs", dict(nmap=i32, scan=i64, in_rows=i32, out_rows=i32, seg=i32,
+        # submanifold plans, strided ones
+        for offsets, scan in itertools.product((mirrored_signal_offsets(v), v), (i32, i64)):
+            yield make_variant("pairs", dict(nmap=i32, scan=scan, in_rows=i32, out_rows=i32, seg=i32,
                                              n=m, pairs_at=n_blocks, pairs_first=n_blocks * v),
                                dict(V=v, SIGNAL=offsets, BLOCK=seg._ROW_BLOCK,
                                     V_CHUNK=seg.pairs_v_chunk(offsets)))

@@ -40,9 +40,11 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     key_64 = key_dtype(spatial_shape, batch_size) == torch.int64
     capacity = table_capacity(n)
     keys = torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=device)
-    values = torch.empty(capacity if key_64 else 1, dtype=torch.int32, device=device)
     problems = torch.full((2,), n, dtype=torch.int64, device=device)
     nmap = torch.empty((n, volume), dtype=torch.int32, device=device)
+    # 32-bit keys share their int64 slot with the row: no value table (the kernels never read
+    # this one then; nmap stands in, saving an allocation per build).
+    values = torch.empty(capacity, dtype=torch.int32, device=device) if key_64 else nmap
     if n:
         launch(kernels.hash_insert_kernel, (triton.cdiv(n, _INSERT_BLOCK),), keys, values, coords,
                n, capacity - 1, problems, nmap, batch_size, *spatial_shape, V=volume,

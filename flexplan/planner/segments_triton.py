@@ -43,6 +43,11 @@ def _aligned_starts(lengths: list[int], align: int) -> list[int]:
     return starts
 
 
+def scan_dtype(bound: int) -> torch.dtype:
+    """dtype of the count buffer's prefix sum when its total is at most bound."""
+    return torch.int32 if bound < 2**31 else torch.int64
+
+
 def block_levels(block_sizes: tuple[int, ...]) -> tuple[int, int]:
     """(smallest, count): the sizes must double from a power of two, so that one program's
     rows hold whole blocks of every size."""
@@ -82,7 +87,9 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
                unions, counts, m, WORDS=words, WORD_BITS=word_bits, B0=smallest, LEVELS=levels)
     else:
         unions = ranks  # not read: no block sizes, no blocks
-    scan = counts.cumsum(0)  # int64
+    # int32 where no sum can pass it (one launch fewer than int64's widening, and less to move):
+    # each block holds at most V offsets, each row at most signal_offsets pairs.
+    scan = counts.cumsum(0, dtype=scan_dtype(pairs_at * v + m * signal_offsets))
     # valid_kernel of every block size goes into one buffer sized for every block having every
     # offset (about 12% of the map's size for the shipped block sizes), so the compaction runs
     # before the host sync instead of waiting on it; the sync then narrows it. The kernel also

@@ -74,11 +74,11 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
     co, v, ci = weight.shape
     m = gmap.num_rows
     k, n = (ci, co) if part == "fwd" else (co, ci)
-    out = src.new_empty((m, n))
     if m == 0:
-        return out
+        return src.new_empty((m, n))
     if algo == "explicit":
         return _explicit_gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
+    out = src.new_empty((m, n))
     problem = Problem(m, ci, co, v, _dtype_name(src.dtype, allow_tf32), algo, part)
     cfg = select_config(GATHER_GEMM, problem)
     masked = algo.startswith("masked")

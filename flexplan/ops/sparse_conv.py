@@ -142,10 +142,16 @@ def _explicit_gather_gemm(src, weight, bias, nmap, reverse, part):
         w = weight.reshape(co, v * ci).t()
     else:
         w = weight.transpose(0, 1).reshape(v * co, ci)            # [V * Co, Ci], one copy
-    out = src.new_empty((nmap.shape[0], w.shape[1]))
+    m = nmap.shape[0]
+    out = None
     for start, cols in _im2col_chunks(src, nmap, reverse):
+        if cols.shape[0] == m:  # one chunk, the usual case: two host ops fewer
+            out = torch.mm(cols, w)
+            break
+        if out is None:
+            out = src.new_empty((m, w.shape[1]))
         torch.mm(cols, w, out=out[start:start + cols.shape[0]])
-    return out + bias if bias is not None else out
+    return out if bias is None else out.add_(bias)
 
 
 # ---------------------------------------------------------------- grad-weight

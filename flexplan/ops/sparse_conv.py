@@ -3,14 +3,15 @@
     out[o] = bias + sum_v W[:, v, :] @ feats[plan.fwd.neighbor_map[o, v]]
 
 Algorithms (forward and backward), selectable by name:
-  explicit         torch gather (im2col, in chunks of bounded size) + the vendor matmul
+  explicit         im2col (kernels_src/conv_im2col.py, in chunks of bounded size) + the
+                   vendor matmul
   implicit         gather-GEMM kernel over all V offsets
   implicit_splitk  the same with the reduction split over a grid axis
   masked           gather-GEMM over the offsets each Gray-code-sorted row block has
   masked_splitk    masked, split over K
   auto             one of the above per part (fwd / dgrad / wgrad) and shape (choose_algo)
 Grad-weight runs one kernel over the plan's per-offset pairs (split for the *_splitk
-algorithms); "explicit" uses torch for it.
+algorithms); "explicit" multiplies its im2col blocks on the vendor matmul.
 """
 from __future__ import annotations
 

@@ -34,9 +34,17 @@ EXPLICIT_WORKSPACE_BYTES = 128 << 20
 # im2col + the vendor GEMM than as a gather-GEMM kernel (H100 sweeps: 1.3-1.7x at C = 1024,
 # slower at C = 512): the GEMM dominates and the gather costs little next to it.
 EXPLICIT_MIN_CHANNELS = 768
-# The im2col kernel's tile: rows x channels per step (H100, 27 x 1024 fp16: 16 x 256 to
-# 64 x 128 and 8 x 1024 all within 3%).
+# The offset-major im2col kernel's tile: rows x channels per step (H100, 27 x 1024 fp16:
+# 16 x 256 to 64 x 128 and 8 x 1024 all within 3%).
 IM2COL_BLOCK_M, IM2COL_BLOCK_K = 16, 256
+
+
+def im2col_channel_major_blocks(volume: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_K, V_PAD) of the channel-major im2col kernel: 32 channels of every
+    offset, as many rows as fill 4096 elements (H100, 27 x 1024 fp16: 4 x 32 the fastest of six
+    tiles tried, 2 x 128 7% slower, 16 x 32 39% slower)."""
+    v_pad = 1 << (volume - 1).bit_length()
+    return max(1, 4096 // (32 * v_pad)), 32, v_pad
 
 
 @dataclass(frozen=True)

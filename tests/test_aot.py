@@ -242,7 +242,8 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
             conv(x).feats.float().square().sum().backward()
     kernels = {k.split(":")[1] for k in KERNELS.values()}
     assert {s[0] for s in seen} >= {"conv_gather_gemm_kernel", "conv_wgrad_kernel", "im2col_kernel",
-                                    "hash_insert_kernel", "submanifold_neighbor_map_kernel"}
+                                    "im2col_channel_major_kernel", "hash_insert_kernel",
+                                    "submanifold_neighbor_map_kernel"}
     # (the plan-segment kernels run only on a GPU: the bench checks them, zero compilations)
     for call in seen:
         assert call[0] in kernels, f"{call[0]} is not in flexplan/aot/variants.py"

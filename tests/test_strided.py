@@ -116,9 +116,11 @@ def test_plan_matches_dense(case, transposed):
     assert plan.num_pairs == int((plan.fwd.neighbor_map != MISSING).sum())
 
 
-@pytest.mark.parametrize("case", CASES[:3], ids=IDS[:3])
-def test_op_forward_backward_against_dense(case):
-    """flexplan.ops.sparse_conv over strided and transposed plans, grads included (float64)."""
+@pytest.mark.parametrize("case,algo", [(c, "masked") for c in CASES[:3]] + [(CASES[0], "explicit")],
+                         ids=[f"{i}-masked" for i in IDS[:3]] + [f"{IDS[0]}-explicit"])
+def test_op_forward_backward_against_dense(case, algo):
+    """flexplan.ops.sparse_conv over strided and transposed plans, grads included (float64);
+    explicit: its grad-input gathers through the plan's backward map without reversal."""
     shape = case[4]
     for transposed in (False, True):
         geometry = geometry_of(case, transposed)
@@ -129,13 +131,13 @@ def test_op_forward_backward_against_dense(case):
         grad_out = torch.randn(plan.num_out, 4, dtype=torch.float64)
 
         leaves = [t.clone().requires_grad_(True) for t in (feats, weight, bias)]
-        sparse_conv(leaves[0], plan, leaves[1], leaves[2], algo="masked").backward(grad_out)
+        sparse_conv(leaves[0], plan, leaves[1], leaves[2], algo=algo).backward(grad_out)
         ref = [t.clone().requires_grad_(True) for t in (feats, weight, bias)]
         out = read_back(dense_conv(to_dense(ref[0], coords, shape, 2), ref[1], geometry),
                         plan.out_coords) + ref[2]
         out.backward(grad_out)
         with torch.no_grad():
-            got = sparse_conv(feats, plan, weight, bias, algo="masked")
+            got = sparse_conv(feats, plan, weight, bias, algo=algo)
         torch.testing.assert_close(got, out.detach(), rtol=1e-10, atol=1e-10)
         for a, b in zip(leaves, ref):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10)

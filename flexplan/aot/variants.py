@@ -40,7 +40,7 @@ LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
 HASH_INSERT, HASH_SUBM_NMAP = "hash_insert", "submanifold_neighbor_map"
 SEGMENT_KERNELS = ("gray_rank", "block_masks", "compact_offsets", "pairs")
 PLAN_HASH = "plan_hash"
-IM2COL = "im2col"
+IM2COL, IM2COL_CHANNEL_MAJOR = "im2col", "im2col_channel_major"
 # Kernels: short name -> "module:attribute" in KERNEL_PACKAGE.
 KERNELS = {
     GATHER_GEMM: "conv_gather_gemm:conv_gather_gemm_kernel",
@@ -50,6 +50,7 @@ KERNELS = {
     **{name: f"plan_segments:{name}_kernel" for name in SEGMENT_KERNELS},
     PLAN_HASH: "plan_hash:plan_hash_kernel",
     IM2COL: "conv_im2col:im2col_kernel",
+    IM2COL_CHANNEL_MAJOR: "conv_im2col:im2col_channel_major_kernel",
 }
 
 
@@ -238,17 +239,20 @@ def segment_variants() -> Iterator[Variant]:
 
 
 def im2col_variants() -> Iterator[Variant]:
-    """The launches of ops.sparse_conv._im2col_chunks (the explicit algorithm's gather), for
-    every feature dtype; its tile is fixed, so rows and channels only vary the int classes."""
-    from ..kernel_configs import IM2COL_BLOCK_K, IM2COL_BLOCK_M
+    """The launches of ops.sparse_conv._im2col_chunks (the explicit algorithm's gathers), for
+    every feature dtype; their tiles are fixed, so rows and channels only vary the int classes."""
+    from ..kernel_configs import IM2COL_BLOCK_K, IM2COL_BLOCK_M, im2col_channel_major_blocks
 
     i32 = ("tensor", "int32")
-    for dtype, reverse, rows, v in itertools.product(
-            sorted({_torch_dtype(d) for d in DTYPES}), (False, True), REP_ROWS[:2], REP_VOLUMES):
-        feat = ("tensor", dtype)
-        yield make_variant(IM2COL, dict(src_ptr=feat, map_ptr=i32, out_ptr=feat, row_start=0,
-                                        rows=rows, K=1024, V=v),
-                           dict(REVERSE_V=reverse, BLOCK_M=IM2COL_BLOCK_M, BLOCK_K=IM2COL_BLOCK_K))
+    for dtype, rows, v in itertools.product(sorted({_torch_dtype(d) for d in DTYPES}), REP_ROWS[:2],
+                                            REP_VOLUMES):
+        values = dict(src_ptr=("tensor", dtype), map_ptr=i32, out_ptr=("tensor", dtype), row_start=0,
+                      rows=rows, K=1024, V=v)
+        yield make_variant(IM2COL, values, dict(BLOCK_M=IM2COL_BLOCK_M, BLOCK_K=IM2COL_BLOCK_K))
+        block_m, block_k, v_pad = im2col_channel_major_blocks(v)
+        for reverse in (False, True):  # grad-input of strided plans, of submanifold ones
+            yield make_variant(IM2COL_CHANNEL_MAJOR, values, dict(
+                REVERSE_V=reverse, BLOCK_M=block_m, BLOCK_K=block_k, V_PAD=v_pad))
 
 
 _VARIANTS_OF = {GATHER_GEMM: gather_gemm_variants, WGRAD: wgrad_variants}

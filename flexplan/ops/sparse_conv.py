@@ -21,7 +21,7 @@ import torch
 
 from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, IM2COL_BLOCK_K,
                               IM2COL_BLOCK_M, SCHEDULE_CHUNK, WGRAD, KernelConfig, Problem,
-                              choose_algo)
+                              choose_algo, im2col_channel_major_blocks)
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, GatherMap
 from ..tuning import select_config
@@ -113,12 +113,12 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
     return out
 
 
-def _im2col_chunks(src, nmap, reverse: bool = False):
+def _im2col_chunks(src, nmap, reverse: bool = False, channel_major: bool = False):
     """(first row, [rows, V * K] gathered block) over the map's rows, in equal chunks that keep
     each block within EXPLICIT_WORKSPACE_BYTES (equal: a short last chunk would multiply at a
-    fraction of the GEMM rate); missing neighbours read zeros. reverse: block column v gathers
-    through map column V - 1 - v."""
-    from ..kernels_src.conv_im2col import im2col_kernel
+    fraction of the GEMM rate); missing neighbours read zeros. Columns offset-major (v * K + k)
+    or channel_major (k * V + v; then reverse: offset v gathers through map column V - 1 - v)."""
+    from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
 
     m, v = nmap.shape
     k = src.shape[1]
@@ -130,8 +130,15 @@ def _im2col_chunks(src, nmap, reverse: bool = False):
     for start in range(0, m, rows):
         count = min(rows, m - start)
         cols = src.new_empty((count, v * k))
-        launch(im2col_kernel, (_cdiv(count, IM2COL_BLOCK_M), v), src, nmap, cols, start, count, k, v,
-               REVERSE_V=reverse, BLOCK_M=IM2COL_BLOCK_M, BLOCK_K=IM2COL_BLOCK_K)
+        if channel_major:
+            block_m, block_k, v_pad = im2col_channel_major_blocks(v)
+            launch(im2col_channel_major_kernel, (_cdiv(count, block_m), _cdiv(k, block_k)), src, nmap,
+                   cols, start, count, k, v, REVERSE_V=reverse, BLOCK_M=block_m, BLOCK_K=block_k,
+                   V_PAD=v_pad)
+        else:
+            assert not reverse, "offset-major im2col reads the map's columns in order"
+            launch(im2col_kernel, (_cdiv(count, IM2COL_BLOCK_M), v), src, nmap, cols, start, count,
+                   k, v, BLOCK_M=IM2COL_BLOCK_M, BLOCK_K=IM2COL_BLOCK_K)
         yield start, cols
 
 
@@ -139,13 +146,13 @@ def _explicit_gather_gemm(src, weight, bias, nmap, reverse, part):
     """Gathered [rows, V * K] blocks (im2col), each times the flattened weight on the vendor
     GEMM: the baseline, and what auto picks for wide 16-bit channels (see choose_algo)."""
     co, v, ci = weight.shape
-    if part == "fwd":
-        w = weight.reshape(co, v * ci).t()
-    else:
-        w = weight.transpose(0, 1).reshape(v * co, ci)            # [V * Co, Ci], one copy
+    # Forward: offset-major columns times [Co, V * Ci]^T. Grad-input: channel-major columns
+    # (row o * V + v) times the weight as stored, [Co * V, Ci], with no transposed copy.
+    channel_major = part != "fwd"
+    w = weight.reshape(co * v, ci) if channel_major else weight.reshape(co, v * ci).t()
     m = nmap.shape[0]
     out = None
-    for start, cols in _im2col_chunks(src, nmap, reverse):
+    for start, cols in _im2col_chunks(src, nmap, reverse, channel_major):
         if cols.shape[0] == m:  # one chunk, the usual case: two host ops fewer
             out = torch.mm(cols, w)
             break

@@ -43,17 +43,6 @@ def _aligned_starts(lengths: list[int], align: int) -> list[int]:
     return starts
 
 
-def _runs(buffer: torch.Tensor, starts: list[int], lengths: list[int]) -> tuple[torch.Tensor, ...]:
-    """Views buffer[starts[i]:starts[i] + lengths[i]] of ascending, disjoint runs, made by one
-    split (one torch op instead of a narrow per run)."""
-    sizes, at = [], 0
-    for start, length in zip(starts, lengths):
-        sizes += [start - at, length]
-        at = start + length
-    sizes.append(buffer.numel() - at)
-    return buffer.split_with_sizes(sizes)[1::2]
-
-
 def scan_dtype(bound: int) -> torch.dtype:
     """dtype of the count buffer's prefix sum when its total is at most bound."""
     return torch.int32 if bound < 2**31 else torch.int64
@@ -85,25 +74,14 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     level_blocks = [triton.cdiv(m, smallest << l) for l in range(levels)]
     pairs_at = sum(level_blocks)
     row_blocks = triton.cdiv(m, _ROW_BLOCK)
-    # valid_kernel of every block size goes into one buffer sized for every block having every
-    # offset (about 12% of the map's size for the shipped block sizes), so the compaction runs
-    # before the host sync instead of waiting on it; the sync then narrows it.
-    bound_at = _aligned_starts([blocks * v for blocks in level_blocks], kernels.ALIGN.value)
-    seg_at = _aligned_starts([blocks + 1 for blocks in level_blocks], kernels.ALIGN.value)
-    # The int32 buffers, as aligned runs of one allocation (each torch op costs host time here);
-    # valid_kernel and segs get at least one element: without block sizes the compaction only
-    # reports the pairs' end.
-    buffer_lengths = [pairs_at + signal_offsets * row_blocks, m if levels else 0,
-                      max(1, bound_at[-1]), max(1, seg_at[-1])]
-    buffer_at = _aligned_starts(buffer_lengths, kernels.ALIGN.value)
-    counts, sorted_idx, valid_kernel, segs = _runs(
-        torch.empty(buffer_at[-1], dtype=torch.int32, device=device), buffer_at, buffer_lengths)
+    counts = torch.empty(pairs_at + signal_offsets * row_blocks, dtype=torch.int32, device=device)
     word_bits, word_dtype, words = rank_words(v)
     ranks = torch.empty((words, m), dtype=word_dtype, device=device)
     launch(kernels.gray_rank_kernel, (row_blocks,), nmap, ranks, counts, m, pairs_at,
            signal_offsets, V=v, WORDS=words, WORD_BITS=word_bits, BLOCK=_ROW_BLOCK)
     if levels:
         sorted_ranks, order = sort_by_rank(ranks)
+        sorted_idx = torch.empty(m, dtype=torch.int32, device=device)
         unions = torch.empty((pairs_at, words), dtype=word_dtype, device=device)
         launch(kernels.block_masks_kernel, (level_blocks[-1],), sorted_ranks, order, sorted_idx,
                unions, counts, m, WORDS=words, WORD_BITS=word_bits, B0=smallest, LEVELS=levels)
@@ -112,8 +90,16 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     # int32 where no sum can pass it (one launch fewer than int64's widening, and less to move):
     # each block holds at most V offsets, each row at most signal_offsets pairs.
     scan = counts.cumsum(0, dtype=scan_dtype(pairs_at * v + m * signal_offsets))
-    # The compaction also gathers what the sync reads (the caller's flags, the scan at the end of
-    # each block size's entries and of the pair entries) into one small tensor.
+    # valid_kernel of every block size goes into one buffer sized for every block having every
+    # offset (about 12% of the map's size for the shipped block sizes), so the compaction runs
+    # before the host sync instead of waiting on it; the sync then narrows it. The kernel also
+    # gathers what the sync reads (the caller's flags, the scan at the end of each block size's
+    # entries and of the pair entries) into one small tensor.
+    bound_at = _aligned_starts([blocks * v for blocks in level_blocks], kernels.ALIGN.value)
+    seg_at = _aligned_starts([blocks + 1 for blocks in level_blocks], kernels.ALIGN.value)
+    # (At least one element each: without block sizes the kernel only reports the pairs' end.)
+    valid_kernel = torch.empty(max(1, bound_at[-1]), dtype=torch.int32, device=device)
+    segs = torch.empty(max(1, seg_at[-1]), dtype=torch.int32, device=device)
     num_flags = 0 if flags is None else flags.numel()
     sizes = torch.empty(num_flags + levels + 1, dtype=torch.int64, device=device)
     launch(kernels.compact_offsets_kernel, (max(1, triton.cdiv(pairs_at, _COMPACT_BLOCK)),), unions,
@@ -128,21 +114,19 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     pairs = None
     if signal_offsets:  # launched first: the Python below then runs while the GPU writes pairs
         total = pairs_end - offsets_total
-        # One allocation, three aligned runs (each torch op costs host time here).
-        pair_lengths = [total, total, signal_offsets + 1]
-        pair_at = _aligned_starts(pair_lengths, kernels.ALIGN.value)
-        in_rows, out_rows, seg = _runs(torch.empty(pair_at[-1], dtype=torch.int32, device=device),
-                                       pair_at, pair_lengths)
+        in_rows = torch.empty(total, dtype=torch.int32, device=device)
+        out_rows = torch.empty(total, dtype=torch.int32, device=device)
+        seg = torch.empty(signal_offsets + 1, dtype=torch.int32, device=device)
         launch(kernels.pairs_kernel, (row_blocks,), nmap, scan, in_rows, out_rows, seg, m,
                pairs_at, offsets_total, V=v, SIGNAL=signal_offsets, BLOCK=_ROW_BLOCK,
                V_CHUNK=pairs_v_chunk(signal_offsets))
         pairs = (in_rows, out_rows, seg)
     gmap = None
     if levels:
-        kernel_lengths = [b - a for a, b in zip([0] + level_ends, level_ends)]  # per block size
-        kernel_at = _aligned_starts(kernel_lengths, kernels.ALIGN.value)  # where the kernel put them
-        blocks_of = [smallest << l for l in range(levels)]
+        lengths = [b - a for a, b in zip([0] + level_ends, level_ends)]  # valid_kernel per size
+        kernel_at = _aligned_starts(lengths, kernels.ALIGN.value)  # where the kernel put them
         gmap = GatherMap(
-            nmap, sorted_idx, dict(zip(blocks_of, _runs(valid_kernel, kernel_at, kernel_lengths))),
-            dict(zip(blocks_of, _runs(segs, seg_at, [blocks + 1 for blocks in level_blocks]))))
+            nmap, sorted_idx,
+            {smallest << l: valid_kernel.narrow(0, kernel_at[l], lengths[l]) for l in range(levels)},
+            {smallest << l: segs.narrow(0, seg_at[l], level_blocks[l] + 1) for l in range(levels)})
     return gmap, pairs, flag_values

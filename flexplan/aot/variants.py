@@ -186,7 +186,7 @@ def wgrad_variants(problem: Problem, cfg: KernelConfig) -> Iterator[Variant]:
 
 def planner_variants() -> Iterator[Variant]:
     """The launches of flexplan.planner.hashmap: table build and submanifold neighbour map."""
-    from ..planner.hashmap import _INSERT_BLOCK, _LOOKUP_BLOCK
+    from ..planner.hashmap import INSERT_LAUNCH, LOOKUP_LAUNCH
 
     i32, i64 = ("tensor", "int32"), ("tensor", "int64")
     for key_64, n, size in itertools.product((False, True), REP_ROWS[:2],
@@ -196,10 +196,10 @@ def planner_variants() -> Iterator[Variant]:
                       size_z=size[2])
         for k in (1,) + REP_KERNEL_SIZES:  # 1: coords_problems
             yield make_variant(HASH_INSERT, dict(common, problems=i64),
-                               dict(V=k ** 3, KEY_64=key_64, BLOCK=_INSERT_BLOCK))
+                               dict(V=k ** 3, KEY_64=key_64, **INSERT_LAUNCH))
         for k in REP_KERNEL_SIZES:
             yield make_variant(HASH_SUBM_NMAP, common, dict(
-                KX=k, KY=k, KZ=k, DX=1, DY=1, DZ=1, KEY_64=key_64, BLOCK=_LOOKUP_BLOCK))
+                KX=k, KY=k, KZ=k, DX=1, DY=1, DZ=1, KEY_64=key_64, **LOOKUP_LAUNCH))
 
 
 def segment_variants() -> Iterator[Variant]:
@@ -220,19 +220,20 @@ def segment_variants() -> Iterator[Variant]:
         level_constexprs = dict(words_constexprs, B0=smallest, LEVELS=levels)
         yield make_variant("gray_rank", dict(nmap=i32, ranks=word, counts=i32, n=m, pairs_at=n_blocks,
                                              signal_offsets=v),
-                           dict(words_constexprs, V=v, BLOCK=seg._ROW_BLOCK))
+                           dict(words_constexprs, V=v, **seg.GRAY_RANK_LAUNCH))
         yield make_variant("block_masks", dict(sorted_ranks=word, order=i64, sorted_idx=i32, unions=word,
-                                               counts=i32, n=m), level_constexprs)
+                                               counts=i32, n=m),
+                           dict(level_constexprs, **seg.BLOCK_MASKS_LAUNCH))
         # unchecked builds and builds reading the coords check; scans of int32 and of int64
         for num_flags, scan in itertools.product((0, 2), (i32, i64)):
             yield make_variant("compact_offsets", dict(unions=word, scan=scan, valid_kernel=i32, segs=i32,
                                                        flags=i64, sizes=i64, n=m, entries=n_blocks),
-                               dict(level_constexprs, FLAGS=num_flags, BLOCK=seg._COMPACT_BLOCK))
+                               dict(level_constexprs, FLAGS=num_flags, **seg.COMPACT_LAUNCH))
         # submanifold plans, strided ones
         for offsets, scan in itertools.product((mirrored_signal_offsets(v), v), (i32, i64)):
             yield make_variant("pairs", dict(nmap=i32, scan=scan, in_rows=i32, out_rows=i32, seg=i32,
                                              n=m, pairs_at=n_blocks, pairs_first=n_blocks * v),
-                               dict(V=v, SIGNAL=offsets, BLOCK=seg._ROW_BLOCK,
+                               dict(V=v, SIGNAL=offsets, **seg.PAIRS_LAUNCH,
                                     V_CHUNK=seg.pairs_v_chunk(offsets)))
     for m in REP_ROWS:
         yield make_variant(PLAN_HASH, dict(words_ptr=i64, partial_ptr=i64, n_words=m), dict(BLOCK=_TRITON_BLOCK))

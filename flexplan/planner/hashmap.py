@@ -14,10 +14,12 @@ from ..geometry import ConvGeometry
 from ..launcher import launch
 from .keys import EMPTY_KEY, key_dtype
 
-# H100 sweep (2026-11-23, R = 256 / 512 shells): small insert programs end their probe loops
-# sooner (each lane waits for the longest chain in its program); lookups prefer large ones.
-_INSERT_BLOCK = 128
-_LOOKUP_BLOCK = 512
+# Tiles and warps (H100 sweeps, 2026-11-24, R = 256 / 512 / 1024 shells): small insert programs
+# end their probe loops sooner (each lane waits for the longest chain in its program): 32 rows
+# took 36 / 166 / 732 us against 43 / 206 / 1115 with 128. Lookups: 256 lanes on one warp,
+# 69 / 291 / 1252 us against 76 / 313 / 1311 with 512 on four.
+INSERT_LAUNCH = dict(BLOCK=32, num_warps=4)
+LOOKUP_LAUNCH = dict(BLOCK=256, num_warps=1)
 
 
 def table_capacity(n: int) -> int:
@@ -46,16 +48,16 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     # this one then; nmap stands in, saving an allocation per build).
     values = torch.empty(capacity, dtype=torch.int32, device=device) if key_64 else nmap
     if n:
-        launch(kernels.hash_insert_kernel, (triton.cdiv(n, _INSERT_BLOCK),), keys, values, coords,
+        launch(kernels.hash_insert_kernel, (triton.cdiv(n, INSERT_LAUNCH["BLOCK"]),), keys, values, coords,
                n, capacity - 1, problems, nmap, batch_size, *spatial_shape, V=volume,
-               KEY_64=key_64, BLOCK=_INSERT_BLOCK)
+               KEY_64=key_64, **INSERT_LAUNCH)
     lanes = n * (volume // 2)
     if lanes:
-        launch(kernels.submanifold_neighbor_map_kernel, (triton.cdiv(lanes, _LOOKUP_BLOCK),),
+        launch(kernels.submanifold_neighbor_map_kernel, (triton.cdiv(lanes, LOOKUP_LAUNCH["BLOCK"]),),
                keys, values, coords, nmap, n, capacity - 1, batch_size, *spatial_shape,
                KX=geometry.kernel_size[0], KY=geometry.kernel_size[1], KZ=geometry.kernel_size[2],
                DX=geometry.dilation[0], DY=geometry.dilation[1], DZ=geometry.dilation[2],
-               KEY_64=key_64, BLOCK=_LOOKUP_BLOCK)
+               KEY_64=key_64, **LOOKUP_LAUNCH)
     return nmap, problems
 
 

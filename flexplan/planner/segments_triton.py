@@ -19,8 +19,15 @@ from ..launcher import launch
 from ..plan import GatherMap
 from .segments import gather_map, rank_words, sort_by_rank, valid_signal
 
-_ROW_BLOCK = 128  # rows per program of gray_rank and pairs (pairs are counted per row block)
-_COMPACT_BLOCK = 64
+# Tiles and warps (H100 sweeps, 2026-11-24, R = 256 / 512 / 1024 shells). gray_rank and pairs
+# share their row blocks (pairs are counted per row block): 32 rows took pairs 31 / 120 / 466 us
+# against 37 / 151 / 595 with 128, gray_rank the same. compact_offsets: 5 / 16 / 58 us against
+# 10 / 32 / 119 with 64 entries; block_masks on one warp: 3.7 / 9.4 against 4.8 / 13.5 us on four.
+ROW_BLOCK = 32
+GRAY_RANK_LAUNCH = dict(BLOCK=ROW_BLOCK, num_warps=2)
+PAIRS_LAUNCH = dict(BLOCK=ROW_BLOCK, num_warps=2)
+COMPACT_LAUNCH = dict(BLOCK=16, num_warps=4)
+BLOCK_MASKS_LAUNCH = dict(num_warps=1)
 
 
 def _kernels():
@@ -73,18 +80,19 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     smallest, levels = block_levels(block_sizes) if block_sizes else (1, 0)
     level_blocks = [triton.cdiv(m, smallest << l) for l in range(levels)]
     pairs_at = sum(level_blocks)
-    row_blocks = triton.cdiv(m, _ROW_BLOCK)
+    row_blocks = triton.cdiv(m, ROW_BLOCK)
     counts = torch.empty(pairs_at + signal_offsets * row_blocks, dtype=torch.int32, device=device)
     word_bits, word_dtype, words = rank_words(v)
     ranks = torch.empty((words, m), dtype=word_dtype, device=device)
     launch(kernels.gray_rank_kernel, (row_blocks,), nmap, ranks, counts, m, pairs_at,
-           signal_offsets, V=v, WORDS=words, WORD_BITS=word_bits, BLOCK=_ROW_BLOCK)
+           signal_offsets, V=v, WORDS=words, WORD_BITS=word_bits, **GRAY_RANK_LAUNCH)
     if levels:
         sorted_ranks, order = sort_by_rank(ranks)
         sorted_idx = torch.empty(m, dtype=torch.int32, device=device)
         unions = torch.empty((pairs_at, words), dtype=word_dtype, device=device)
         launch(kernels.block_masks_kernel, (level_blocks[-1],), sorted_ranks, order, sorted_idx,
-               unions, counts, m, WORDS=words, WORD_BITS=word_bits, B0=smallest, LEVELS=levels)
+               unions, counts, m, WORDS=words, WORD_BITS=word_bits, B0=smallest, LEVELS=levels,
+               **BLOCK_MASKS_LAUNCH)
     else:
         unions = ranks  # not read: no block sizes, no blocks
     # int32 where no sum can pass it (one launch fewer than int64's widening, and less to move):
@@ -102,10 +110,10 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     segs = torch.empty(max(1, seg_at[-1]), dtype=torch.int32, device=device)
     num_flags = 0 if flags is None else flags.numel()
     sizes = torch.empty(num_flags + levels + 1, dtype=torch.int64, device=device)
-    launch(kernels.compact_offsets_kernel, (max(1, triton.cdiv(pairs_at, _COMPACT_BLOCK)),), unions,
+    launch(kernels.compact_offsets_kernel, (max(1, triton.cdiv(pairs_at, COMPACT_LAUNCH["BLOCK"])),), unions,
            scan, valid_kernel, segs, sizes if flags is None else flags, sizes, m, counts.numel(),
            WORDS=words, WORD_BITS=word_bits, B0=smallest, LEVELS=levels, FLAGS=num_flags,
-           BLOCK=_COMPACT_BLOCK)
+           **COMPACT_LAUNCH)
     values = sizes.tolist()  # the one host sync
     flag_values = None if flags is None else values[:num_flags]
     level_ends, pairs_end = values[num_flags:-1], values[-1]
@@ -118,7 +126,7 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         out_rows = torch.empty(total, dtype=torch.int32, device=device)
         seg = torch.empty(signal_offsets + 1, dtype=torch.int32, device=device)
         launch(kernels.pairs_kernel, (row_blocks,), nmap, scan, in_rows, out_rows, seg, m,
-               pairs_at, offsets_total, V=v, SIGNAL=signal_offsets, BLOCK=_ROW_BLOCK,
+               pairs_at, offsets_total, V=v, SIGNAL=signal_offsets, **PAIRS_LAUNCH,
                V_CHUNK=pairs_v_chunk(signal_offsets))
         pairs = (in_rows, out_rows, seg)
     gmap = None

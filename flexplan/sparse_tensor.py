@@ -49,7 +49,7 @@ def check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batc
         from .planner.hashmap import coords_problems
 
         raise_coords_problems(coords, spatial_shape, batch_size,
-                              *coords_problems(coords, spatial_shape, batch_size).tolist())
+                              *coords_problems(coords, spatial_shape, batch_size))
         return
     upper = torch.tensor([batch_size, *spatial_shape], dtype=torch.int32, device=coords.device)
     bad = ((coords < 0) | (coords >= upper)).any(dim=1)

@@ -57,9 +57,10 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, problems, n
                        KEY_64: tl.constexpr, BLOCK: tl.constexpr):
     """Insert key(coords[i]) -> i for the rows inside the grid, and note what is wrong with the
     input: problems[0] gets the smallest row outside [0, batch_size) x grid, problems[1] the
-    smallest row whose key was already in (a duplicate; the stored value stays). Both by atomic
-    min, so they must start at n. int64 keys: keys in table_keys, values in table_vals; int32
-    keys: packed in table_keys.
+    smallest row whose key was already in (a duplicate; the stored value stays), each as
+    n - 1 - row by atomic max, so that they start at -1 (none) like an empty slot: the table's
+    fill covers them. int64 keys: keys in table_keys, values in table_vals; int32 keys: packed
+    in table_keys.
 
     Also starts the neighbour map nmap [n, V] of these rows (the lookups write only hits):
     MISSING everywhere but the centre column, which is the row itself.
@@ -75,7 +76,7 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, problems, n
               & (z >= 0) & (z < size_z))
     # Relaxed atomics: only atomicity matters inside the kernel; the launch boundary publishes
     # the table to the lookups (acq_rel would fence every probe).
-    tl.atomic_min(problems + 0 * rows, rows.to(tl.int64), mask=live & ~inside, sem="relaxed")
+    tl.atomic_max(problems + 0 * rows, n - 1 - rows.to(tl.int64), mask=live & ~inside, sem="relaxed")
     # The map rows of this program are one contiguous run of BLOCK * V entries.
     run = nmap + tl.program_id(0).to(tl.int64) * BLOCK * V
     for c in range(V):
@@ -99,7 +100,7 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, problems, n
         else:
             prev = prev.to(tl.int32)  # its key half
         dup = active & ~won & (prev == key)
-        tl.atomic_min(problems + 1 + 0 * rows, rows.to(tl.int64), mask=dup, sem="relaxed")
+        tl.atomic_max(problems + 1 + 0 * rows, n - 1 - rows.to(tl.int64), mask=dup, sem="relaxed")
         active = active & ~won & ~dup
         slot = tl.where(active, (slot + 1) & slot_mask, slot)
 

@@ -46,11 +46,13 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
         if check:
             check_coords_layout(coords)
         nmap, problems = submanifold_neighbor_map_triton(coords, shape, batch_size, geometry)
-    fwd, (sig_i, sig_o, sig_seg), problem_rows = plan_schedule(
+    fwd, (sig_i, sig_o, sig_seg), flag_values = plan_schedule(
         nmap, PLAN_BLOCK_SIZES, backend, flags=problems if check else None,
         signal_offsets=mirrored_signal_offsets(geometry.volume))
-    if problem_rows is not None:
-        raise_coords_problems(coords, shape, batch_size, *problem_rows)
+    if problems is not None and check:
+        from .hashmap import problem_rows
+
+        raise_coords_problems(coords, shape, batch_size, *problem_rows(flag_values, coords.shape[0]))
     return ConvPlan(
         geometry=geometry, batch_size=batch_size, in_spatial_shape=shape, out_spatial_shape=shape,
         num_in=coords.shape[0], num_out=coords.shape[0], out_coords=coords,

@@ -32,8 +32,9 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
                                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(nmap, problems). nmap: int32 [N, V], entry (i, v) is the row at coords[i] + offset v, or
     MISSING. problems: device int64 [2], the first row outside the grid and a row whose
-    coordinate another row also has (N where there is none); the map only means something when
-    both are N, but it is always safe to read. No host sync."""
+    coordinate another row also has, each as N - 1 - row, -1 where there is none (decode with
+    problem_rows); the map only means something when both are -1, but it is always safe to
+    read. No host sync."""
     from ..kernels_src import hashmap as kernels
 
     n, volume = coords.shape[0], geometry.volume
@@ -41,8 +42,9 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     coords = coords.contiguous()
     key_64 = key_dtype(spatial_shape, batch_size) == torch.int64
     capacity = table_capacity(n)
-    keys = torch.full((capacity,), EMPTY_KEY, dtype=torch.int64, device=device)
-    problems = torch.full((2,), n, dtype=torch.int64, device=device)
+    # The slots, then the problems: one fill for both (-1: empty, and none).
+    keys = torch.full((capacity + 2,), EMPTY_KEY, dtype=torch.int64, device=device)
+    problems = keys[capacity:]
     nmap = torch.empty((n, volume), dtype=torch.int32, device=device)
     # 32-bit keys share their int64 slot with the row: no value table (the kernels never read
     # this one then; nmap stands in, saving an allocation per build).
@@ -61,9 +63,14 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     return nmap, problems
 
 
+def problem_rows(encoded: list[int], n: int) -> list[int]:
+    """The rows of submanifold_neighbor_map_triton's problems read back: N where there is none."""
+    return [n - 1 - value for value in encoded]
+
+
 def coords_problems(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
-                    batch_size: int) -> torch.Tensor:
-    """Device int64 [2]: the first row outside the grid and a row whose coordinate another row
-    also has, N where there is none. One hash insert pass (the map of a 1x1x1 kernel)."""
-    return submanifold_neighbor_map_triton(coords, spatial_shape, batch_size,
-                                           ConvGeometry.make(1))[1]
+                    batch_size: int) -> list[int]:
+    """The first row outside the grid and a row whose coordinate another row also has, N where
+    there is none (one host sync). One hash insert pass (the map of a 1x1x1 kernel)."""
+    encoded = submanifold_neighbor_map_triton(coords, spatial_shape, batch_size, ConvGeometry.make(1))[1]
+    return problem_rows(encoded.tolist(), coords.shape[0])

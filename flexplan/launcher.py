@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from .aot import direct
@@ -30,7 +31,12 @@ AOT_ENV = "FLEXPLAN_AOT"
 # the constexpr parameters: launchers take every parameter, in order). Kernels are module-level
 # functions, so their ids stay theirs.
 _calls: dict = {}
-_UNCACHEABLE = object()
+
+
+def cdiv(a: int, b: int) -> int:
+    """Grid size: ceil(a / b). (triton.cdiv is a constexpr function in Triton 3.6, about 2 us
+    per host call.)"""
+    return -(-a // b)
 
 
 def _aot_enabled() -> bool:
@@ -40,19 +46,6 @@ def _aot_enabled() -> bool:
 def forget_calls() -> None:
     """Resolve every call afresh (the AOT runtime's reset: bundles or settings changed)."""
     _calls.clear()
-
-
-def _arg_class(arg):
-    """What Triton specializes a runtime argument on, or more; _UNCACHEABLE for other types.
-    (Ints first: most arguments are; bool is not int here, so flags get their own class.)"""
-    kind = type(arg)
-    if kind is int:
-        return arg == 1, arg & 15 == 0, -2**31 <= arg < 2**31, -2**63 <= arg < 2**63
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() & 15 == 0
-    if kind is bool:
-        return arg
-    return _UNCACHEABLE
 
 
 def _constexpr_tail(kernel, args: tuple, constexprs: dict) -> tuple | None:
@@ -75,13 +68,29 @@ def _constexpr_tail(kernel, args: tuple, constexprs: dict) -> tuple | None:
 
 
 def _call_key(kernel, device: int, args: tuple, constexprs: dict):
-    classes = tuple(map(_arg_class, args))
-    if _UNCACHEABLE in classes:
-        return None
-    try:
-        return id(kernel), device, classes, tuple(constexprs.items())
-    except TypeError:  # an unhashable constexpr: resolve every time
-        return None
+    """The call's class, what Triton specializes each runtime argument on or more, as one flat
+    tuple (built inline: this runs on every launch); None for arguments of other types.
+    A tensor adds its dtype and 16-byte alignment; an int one code for == 1, divisible by 16
+    and its width (never 0 or 1, which a bool argument adds: its value)."""
+    key = [id(kernel), device]
+    append = key.append
+    for arg in args:
+        kind = type(arg)
+        if kind is int:  # most arguments are (a bool is not int here)
+            if arg == 1:
+                append(7)
+            else:
+                append((10 if -2**31 <= arg < 2**31 else 12 if -2**63 <= arg < 2**63 else 14)
+                       + (arg & 15 == 0))
+        elif kind is Tensor or isinstance(arg, Tensor):
+            append(arg.dtype)
+            append(arg.data_ptr() & 15)
+        elif kind is bool:
+            append(arg)
+        else:
+            return None
+    key.extend(constexprs.items())
+    return tuple(key)
 
 
 def _triton_run(compiled):
@@ -116,9 +125,12 @@ def launch(kernel, grid, *args, **constexprs):
     if not isinstance(kernel, JITFunction):  # the interpreter's functions
         kernel[grid](*args, **constexprs)
         return
-    device = torch.cuda.current_device()
+    device = torch._C._cuda_getDevice()  # CUDA is initialized: the arguments are CUDA tensors
     key = None if callable(grid) else _call_key(kernel, device, args, constexprs)
-    call = _calls.get(key) if key is not None else None
+    try:
+        call = _calls.get(key) if key is not None else None
+    except TypeError:  # an unhashable constexpr: resolve every time
+        key = call = None
     if call is not None and not direct.triton_hooks_set(kernel):
         run, tail = call
         run(grid, direct.current_stream(device), args + tail)

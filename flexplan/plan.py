@@ -7,9 +7,10 @@ frozen and its dictionaries are read-only views.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
-from typing import Mapping, Optional
+from typing import Optional
 
 import torch
 
@@ -30,6 +31,38 @@ def mirrored_signal_offsets(volume: int) -> int:
     return volume // 2 + 1
 
 
+class BlockRuns(Mapping):
+    """Read-only block size -> tensor mapping whose tensors are runs of one buffer, each viewed
+    on first use: a plan holds every block size, a layer reads one, and a view costs
+    microseconds of host time (the Triton build is host-bound at small sizes)."""
+
+    __slots__ = ("_buffer", "_runs", "_views")
+
+    def __init__(self, buffer: torch.Tensor, runs: Mapping[int, tuple[int, int]]):
+        """runs: block size -> (start, length) in buffer."""
+        self._buffer, self._runs, self._views = buffer, dict(runs), {}
+
+    def __getitem__(self, block: int) -> torch.Tensor:
+        view = self._views.get(block)
+        if view is None:
+            start, length = self._runs[block]
+            view = self._views[block] = self._buffer[start:start + length]
+        return view
+
+    def __iter__(self):
+        return iter(self._runs)
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def __reduce__(self):  # plans cross process boundaries as plain dicts of views
+        return dict, (dict(self),)
+
+
+def _read_only(mapping: Mapping) -> Mapping:
+    return mapping if isinstance(mapping, BlockRuns) else MappingProxyType(dict(mapping))
+
+
 @dataclass(frozen=True)
 class GatherMap:
     """Rows of one side gather rows of the other side, one column per kernel offset.
@@ -40,6 +73,7 @@ class GatherMap:
                       at least one row of the block has, concatenated block after block.
     valid_kernel_seg: block size -> int32 [ceil(M / B) + 1]; block i owns
                       valid_kernel[seg[i]:seg[i + 1]].
+    Both mappings are read-only (BlockRuns, or proxies of the dicts given).
     """
 
     neighbor_map: torch.Tensor
@@ -48,8 +82,8 @@ class GatherMap:
     valid_kernel_seg: Mapping[int, torch.Tensor]
 
     def __post_init__(self):
-        object.__setattr__(self, "valid_kernel", MappingProxyType(dict(self.valid_kernel)))
-        object.__setattr__(self, "valid_kernel_seg", MappingProxyType(dict(self.valid_kernel_seg)))
+        object.__setattr__(self, "valid_kernel", _read_only(self.valid_kernel))
+        object.__setattr__(self, "valid_kernel_seg", _read_only(self.valid_kernel_seg))
 
     @property
     def num_rows(self) -> int:

@@ -115,19 +115,22 @@ def _aligned(count):
     return (count + ALIGN - 1) // ALIGN * ALIGN
 
 
-@triton.jit(do_not_specialize=["entries"])
-def compact_offsets_kernel(unions, scan, valid_kernel, segs, flags, sizes, n, entries,
+@triton.jit(do_not_specialize=["entries", "kernels_at", "segs_at"])
+def compact_offsets_kernel(unions, scan, plan_out, readback, n, entries, kernels_at, segs_at,
                            WORDS: tl.constexpr, WORD_BITS: tl.constexpr, B0: tl.constexpr,
                            LEVELS: tl.constexpr, FLAGS: tl.constexpr, BLOCK: tl.constexpr):
-    """valid_kernel and valid_kernel_seg of every block size, each block size's run starting at
-    a multiple of ALIGN: a block's offsets (set bits of its union, ascending) go to
-    scan[entry - 1] minus the scan before its block size's first entry plus that run's start.
+    """valid_kernel and valid_kernel_seg of every block size, into the plan's int32 buffer from
+    kernels_at and segs_at on, each block size's run starting at a multiple of ALIGN: a
+    block's offsets (set bits of its union, ascending) go to scan[entry - 1] minus the scan
+    before its block size's first entry plus that run's start.
 
-    Program 0 also gathers what the host reads in its one sync into sizes (int64): the FLAGS
-    entries of flags, then the scan at the end of each block size's entries, then at the end of
-    all `entries` (the pairs' end)."""
+    Program 0 also writes what the host reads in its one sync into readback (int64), after the
+    FLAGS entries the caller's kernels wrote there: the scan at the end of each block size's
+    entries, then at the end of all `entries` (the pairs' end)."""
     MASK_BITS: tl.constexpr = WORD_BITS - 1
     DT: tl.constexpr = unions.dtype.element_ty
+    valid_kernel = plan_out + kernels_at
+    segs = plan_out + segs_at
     entry = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     block = tl.zeros([BLOCK], tl.int64)        # index within its block size
     seg_at = tl.zeros([BLOCK], tl.int64)       # where its block size's seg starts in segs
@@ -145,15 +148,13 @@ def compact_offsets_kernel(unions, scan, valid_kernel, segs, flags, sizes, n, en
         out_at = tl.where(here, out_first, out_at)
         level_start = tl.where(here, scan_before, level_start)
         scan_end = tl.load(scan + first + n_blocks - 1)
-        tl.store(sizes + FLAGS + l, scan_end, mask=tl.program_id(0) == 0)
+        tl.store(readback + FLAGS + l, scan_end, mask=tl.program_id(0) == 0)
         first += n_blocks
         seg_first += _aligned(n_blocks + 1)
         out_first += _aligned(scan_end - scan_before)
         scan_before = scan_end
     if tl.program_id(0) == 0:
-        for f in tl.static_range(FLAGS):
-            tl.store(sizes + f, tl.load(flags + f).to(tl.int64))
-        tl.store(sizes + FLAGS + LEVELS, tl.load(scan + entries - 1))
+        tl.store(readback + FLAGS + LEVELS, tl.load(scan + entries - 1))
     live = entry < first
     end = tl.load(scan + entry, mask=live, other=0) - level_start
     start = tl.load(scan + entry - 1, mask=live & (entry > 0), other=0) - level_start

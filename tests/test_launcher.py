@@ -22,14 +22,21 @@ def _constexpr_first(BLOCK: tl.constexpr, src):
     pass
 
 
-def test_argument_classes_separate_what_triton_specializes_on():
+def test_call_classes_separate_what_triton_specializes_on():
     t = torch.zeros(8, dtype=torch.float32)
-    cls = launcher._arg_class
+    kernel = object()
+
+    def cls(arg, **constexprs):
+        return launcher._call_key(kernel, 0, (arg,), constexprs)
+
     assert cls(t) != cls(t[1:])                  # 16-byte alignment
     assert cls(t) != cls(t.to(torch.float16))    # dtype
     assert len({cls(1), cls(2), cls(16), cls(2**31), cls(2**63)}) == 5  # value 1, % 16, width
-    assert cls(True) != cls(False)
-    assert cls(0.5) is launcher._UNCACHEABLE and cls("x") is launcher._UNCACHEABLE
+    assert cls(2) == cls(3) and cls(16) == cls(32)
+    assert cls(True) != cls(False) and cls(True) != cls(1)
+    assert cls(1, BLOCK=64) != cls(1, BLOCK=128)
+    assert launcher._call_key(kernel, 0, (t,), {}) != launcher._call_key(object(), 0, (t,), {})
+    assert cls(0.5) is None and cls("x") is None
 
 
 def test_constexpr_tail_follows_the_parameters():

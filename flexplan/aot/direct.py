@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+from triton import knobs
 
 from . import runtime
 from .cuda_launch import CudaKernel, libcuda
@@ -91,8 +92,6 @@ def _kernel_for(fn, args: tuple, kwargs: dict) -> tuple[DirectKernel | None, dic
         return None, None
     if unavailable() is not None or triton_hooks_set(fn):
         return None, None
-    from triton import knobs
-
     device = torch.cuda.current_device()
     state = _state(fn, device)
     # The options JITFunction.run adds before binding, so the specialization (and key) match.
@@ -114,8 +113,6 @@ def current_stream(device: int | None = None) -> int:
 
 
 def triton_hooks_set(fn) -> bool:
-    from triton import knobs
-
     # Launch hooks are HookChains (a list of calls), or a plain callable when assigned directly.
     # (Spelled out, no generator: this runs on every launch.)
     enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook

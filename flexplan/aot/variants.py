@@ -224,10 +224,11 @@ def segment_variants() -> Iterator[Variant]:
         yield make_variant("block_masks", dict(sorted_ranks=word, order=i64, sorted_idx=i32, unions=word,
                                                counts=i32, n=m),
                            dict(level_constexprs, **seg.BLOCK_MASKS_LAUNCH))
-        # unchecked builds and builds reading the coords check; scans of int32 and of int64
+        # build_plan (two flags: the coords check) and the schedule alone; scans of int32 and int64
         for num_flags, scan in itertools.product((0, 2), (i32, i64)):
-            yield make_variant("compact_offsets", dict(unions=word, scan=scan, valid_kernel=i32, segs=i32,
-                                                       flags=i64, sizes=i64, n=m, entries=n_blocks),
+            yield make_variant("compact_offsets", dict(unions=word, scan=scan, plan_out=i32, readback=i64,
+                                                       n=m, entries=n_blocks, kernels_at=m,
+                                                       segs_at=m + n_blocks * v),
                                dict(level_constexprs, FLAGS=num_flags, **seg.COMPACT_LAUNCH))
         # submanifold plans, strided ones
         for offsets, scan in itertools.product((mirrored_signal_offsets(v), v), (i32, i64)):

@@ -22,15 +22,14 @@ import torch
 from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, IM2COL_BLOCK_K,
                               IM2COL_BLOCK_M, SCHEDULE_CHUNK, WGRAD, KernelConfig, Problem,
                               choose_algo, im2col_channel_major_blocks)
-from ..launcher import launch
+from ..kernels_src.conv_gather_gemm import conv_gather_gemm_kernel
+from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
+from ..kernels_src.conv_wgrad import conv_wgrad_kernel
+from ..launcher import cdiv, launch
 from ..plan import MISSING, ConvPlan, GatherMap
 from ..tuning import select_config
 
 AUTO = "auto"
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _dtype_name(dtype: torch.dtype, allow_tf32: bool) -> str:
@@ -98,9 +97,8 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
     acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
     dest = torch.empty((cfg.splitk, m, n), dtype=acc_dtype, device=src.device) if split else out
     has_bias = bias is not None and not split
-    from ..kernels_src.conv_gather_gemm import conv_gather_gemm_kernel
 
-    grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n), cfg.splitk)
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), cfg.splitk)
     launch(conv_gather_gemm_kernel, grid,
            src, w_nvk, bias if has_bias else w_nvk, gmap.sorted_map_t, gmap.sorted_idx,
            gmap.chunk_order, valid_kernel, valid_kernel_seg,
@@ -118,26 +116,24 @@ def _im2col_chunks(src, nmap, reverse: bool = False, channel_major: bool = False
     each block within EXPLICIT_WORKSPACE_BYTES (equal: a short last chunk would multiply at a
     fraction of the GEMM rate); missing neighbours read zeros. Columns offset-major (v * K + k)
     or channel_major (k * V + v; then reverse: offset v gathers through map column V - 1 - v)."""
-    from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
-
     m, v = nmap.shape
     k = src.shape[1]
     if m == 0:
         return
     nmap = nmap.contiguous()  # (plans hold contiguous maps: then a no-op)
-    chunks = _cdiv(m * v * k * src.element_size(), EXPLICIT_WORKSPACE_BYTES)
-    rows = _cdiv(m, chunks)
+    chunks = cdiv(m * v * k * src.element_size(), EXPLICIT_WORKSPACE_BYTES)
+    rows = cdiv(m, chunks)
     for start in range(0, m, rows):
         count = min(rows, m - start)
         cols = src.new_empty((count, v * k))
         if channel_major:
             block_m, block_k, v_pad = im2col_channel_major_blocks(v)
-            launch(im2col_channel_major_kernel, (_cdiv(count, block_m), _cdiv(k, block_k)), src, nmap,
+            launch(im2col_channel_major_kernel, (cdiv(count, block_m), cdiv(k, block_k)), src, nmap,
                    cols, start, count, k, v, REVERSE_V=reverse, BLOCK_M=block_m, BLOCK_K=block_k,
                    V_PAD=v_pad)
         else:
             assert not reverse, "offset-major im2col reads the map's columns in order"
-            launch(im2col_kernel, (_cdiv(count, IM2COL_BLOCK_M), v), src, nmap, cols, start, count,
+            launch(im2col_kernel, (cdiv(count, IM2COL_BLOCK_M), v), src, nmap, cols, start, count,
                    k, v, BLOCK_M=IM2COL_BLOCK_M, BLOCK_K=IM2COL_BLOCK_K)
         yield start, cols
 
@@ -176,9 +172,8 @@ def _wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: b
         dest = torch.empty((cfg.splitk, co, v, ci), dtype=acc_dtype, device=src.device)
     else:
         dest = src.new_empty((co, v, ci))
-    from ..kernels_src.conv_wgrad import conv_wgrad_kernel
 
-    grid = (_cdiv(co, cfg.block_m) * _cdiv(ci, cfg.block_n), v, cfg.splitk)
+    grid = (cdiv(co, cfg.block_m) * cdiv(ci, cfg.block_n), v, cfg.splitk)
     launch(conv_wgrad_kernel, grid,
            grad_out, src, plan.valid_signal_o, plan.valid_signal_i, plan.valid_signal_seg, dest,
            co, ci, v, plan.signal_offsets, **wgrad_constexprs(cfg, allow_tf32))

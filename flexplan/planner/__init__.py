@@ -10,8 +10,10 @@ from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..plan import ConvPlan, mirrored_signal_offsets
 from ..sparse_tensor import check_coords, check_coords_layout, raise_coords_problems
 from .generative import generative_plan
+from .hashmap import problem_rows, submanifold_neighbor_map_triton
 from .reference import submanifold_neighbor_map_torch
 from .segments import plan_schedule
+from .segments_triton import readback_slots
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -41,17 +43,15 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
             check_coords(coords, shape, batch_size)
         nmap, problems = submanifold_neighbor_map_torch(coords, shape, batch_size, geometry), None
     else:
-        from .hashmap import submanifold_neighbor_map_triton
-
         if check:
             check_coords_layout(coords)
-        nmap, problems = submanifold_neighbor_map_triton(coords, shape, batch_size, geometry)
+        # The schedule's sizes ride behind the problems, read back with them in one sync.
+        nmap, problems = submanifold_neighbor_map_triton(coords, shape, batch_size, geometry,
+                                                         spare_slots=readback_slots(PLAN_BLOCK_SIZES))
     fwd, (sig_i, sig_o, sig_seg), flag_values = plan_schedule(
-        nmap, PLAN_BLOCK_SIZES, backend, flags=problems if check else None,
+        nmap, PLAN_BLOCK_SIZES, backend, readback=problems, num_flags=0 if problems is None else 2,
         signal_offsets=mirrored_signal_offsets(geometry.volume))
-    if flag_values is not None:  # the Triton build's coords check
-        from .hashmap import problem_rows
-
+    if check and flag_values is not None:  # the Triton build's coords check
         raise_coords_problems(coords, shape, batch_size, *problem_rows(flag_values, coords.shape[0]))
     return ConvPlan(
         geometry=geometry, batch_size=batch_size, in_spatial_shape=shape, out_spatial_shape=shape,

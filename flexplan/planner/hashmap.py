@@ -8,10 +8,10 @@ no separate pass and no host sync of its own.
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..geometry import ConvGeometry
-from ..launcher import launch
+from ..kernels_src import hashmap as kernels
+from ..launcher import cdiv, launch
 from .keys import EMPTY_KEY, key_dtype
 
 # Tiles and warps (H100 sweeps, 2026-11-24, R = 256 / 512 / 1024 shells): small insert programs
@@ -28,34 +28,33 @@ def table_capacity(n: int) -> int:
 
 
 def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
-                                    batch_size: int, geometry: ConvGeometry
+                                    batch_size: int, geometry: ConvGeometry, spare_slots: int = 0
                                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(nmap, problems). nmap: int32 [N, V], entry (i, v) is the row at coords[i] + offset v, or
-    MISSING. problems: device int64 [2], the first row outside the grid and a row whose
-    coordinate another row also has, each as N - 1 - row, -1 where there is none (decode with
-    problem_rows); the map only means something when both are -1, but it is always safe to
-    read. No host sync."""
-    from ..kernels_src import hashmap as kernels
-
+    MISSING. problems: device int64 [2 + spare_slots]: the first row outside the grid and a row
+    whose coordinate another row also has, each as N - 1 - row, -1 where there is none (decode
+    with problem_rows), then spare_slots entries for the caller (a schedule's sizes, read back
+    with the problems in one sync). The map only means something when both problems are -1,
+    but it is always safe to read. No host sync."""
     n, volume = coords.shape[0], geometry.volume
     device = coords.device
     coords = coords.contiguous()
     key_64 = key_dtype(spatial_shape, batch_size) == torch.int64
     capacity = table_capacity(n)
-    # The slots, then the problems: one fill for both (-1: empty, and none).
-    keys = torch.full((capacity + 2,), EMPTY_KEY, dtype=torch.int64, device=device)
+    # The slots, then the problems and the spare slots: one fill for all (-1: empty, and none).
+    keys = torch.full((capacity + 2 + spare_slots,), EMPTY_KEY, dtype=torch.int64, device=device)
     problems = keys[capacity:]
     nmap = torch.empty((n, volume), dtype=torch.int32, device=device)
     # 32-bit keys share their int64 slot with the row: no value table (the kernels never read
     # this one then; nmap stands in, saving an allocation per build).
     values = torch.empty(capacity, dtype=torch.int32, device=device) if key_64 else nmap
     if n:
-        launch(kernels.hash_insert_kernel, (triton.cdiv(n, INSERT_LAUNCH["BLOCK"]),), keys, values, coords,
+        launch(kernels.hash_insert_kernel, (cdiv(n, INSERT_LAUNCH["BLOCK"]),), keys, values, coords,
                n, capacity - 1, problems, nmap, batch_size, *spatial_shape, V=volume,
                KEY_64=key_64, **INSERT_LAUNCH)
     lanes = n * (volume // 2)
     if lanes:
-        launch(kernels.submanifold_neighbor_map_kernel, (triton.cdiv(lanes, LOOKUP_LAUNCH["BLOCK"]),),
+        launch(kernels.submanifold_neighbor_map_kernel, (cdiv(lanes, LOOKUP_LAUNCH["BLOCK"]),),
                keys, values, coords, nmap, n, capacity - 1, batch_size, *spatial_shape,
                KX=geometry.kernel_size[0], KY=geometry.kernel_size[1], KZ=geometry.kernel_size[2],
                DX=geometry.dilation[0], DY=geometry.dilation[1], DZ=geometry.dilation[2],
@@ -64,7 +63,8 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
 
 
 def problem_rows(encoded: list[int], n: int) -> list[int]:
-    """The rows of submanifold_neighbor_map_triton's problems read back: N where there is none."""
+    """The rows of submanifold_neighbor_map_triton's problems (its first two entries) read back:
+    N where there is none."""
     return [n - 1 - value for value in encoded]
 
 

@@ -39,7 +39,9 @@ def gray_rank_words(present: torch.Tensor) -> torch.Tensor:
 
 
 def sort_by_rank(ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted ranks, order): stable sort of rows by their multi-word rank [words, M]."""
+    """(sorted ranks, order): stable sort of rows by their rank, [M] (one word) or [words, M]."""
+    if ranks.dim() == 1:
+        return torch.sort(ranks, stable=True)
     values, order = torch.sort(ranks[0], stable=True)
     for rank in ranks[1:]:  # stable sorts from the least significant word upward
         values, step = torch.sort(rank[order], stable=True)
@@ -76,21 +78,24 @@ def _use_triton(neighbor_map: torch.Tensor, backend: str) -> bool:
 
 
 def plan_schedule(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...], backend: str = "auto",
-                  flags: torch.Tensor | None = None, signal_offsets: int | None = None):
-    """(GatherMap, valid_signal's triple, flags as ints): the whole schedule of one map.
+                  readback: torch.Tensor | None = None, num_flags: int = 0,
+                  signal_offsets: int | None = None):
+    """(GatherMap, valid_signal's triple, flags as ints or None): the whole schedule of one map.
 
-    flags: a small int tensor on the map's device (e.g. the build's input checks) to read in
-    the same host sync as the schedule's own sizes; None gives None. The Triton path makes one
-    host sync in all. signal_offsets: as in valid_signal.
+    readback: None, or an int64 tensor on the map's device of num_flags +
+    segments_triton.readback_slots(block_sizes) entries, the first num_flags the caller's flags
+    (e.g. the build's input checks), read in the same host sync as the schedule's own sizes,
+    which the Triton path writes after them. The Triton path makes one host sync in all.
+    signal_offsets: as in valid_signal.
     """
     signal_offsets = neighbor_map.shape[1] if signal_offsets is None else signal_offsets
     if _use_triton(neighbor_map, backend):
         from .segments_triton import plan_schedule_triton
 
-        return plan_schedule_triton(neighbor_map, block_sizes, signal_offsets, flags=flags)
+        return plan_schedule_triton(neighbor_map, block_sizes, signal_offsets, readback, num_flags)
     return (gather_map(neighbor_map, block_sizes, "torch"),
             valid_signal(neighbor_map, "torch", signal_offsets),
-            None if flags is None else flags.tolist())
+            readback[:num_flags].tolist() if num_flags else None)
 
 
 def gather_map(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],

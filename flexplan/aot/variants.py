@@ -38,7 +38,7 @@ REP_KERNEL_SIZES = (3, 5)
 KERNEL_PACKAGE = "flexplan.kernels_src"
 LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
 HASH_INSERT, HASH_SUBM_NMAP = "hash_insert", "submanifold_neighbor_map"
-SEGMENT_KERNELS = ("gray_rank", "block_masks", "compact_offsets", "pairs")
+SEGMENT_KERNELS = ("gray_rank", "schedule_offsets", "pairs")
 PLAN_HASH = "plan_hash"
 IM2COL, IM2COL_CHANNEL_MAJOR = "im2col", "im2col_channel_major"
 # Kernels: short name -> "module:attribute" in KERNEL_PACKAGE.
@@ -218,22 +218,17 @@ def segment_variants() -> Iterator[Variant]:
         n_blocks = sum(-(-m // (smallest << l)) for l in range(levels))
         words_constexprs = dict(WORDS=words, WORD_BITS=bits)
         level_constexprs = dict(words_constexprs, B0=smallest, LEVELS=levels)
-        yield make_variant("gray_rank", dict(nmap=i32, ranks=word, counts=i32, n=m, pairs_at=n_blocks,
-                                             signal_offsets=v),
+        yield make_variant("gray_rank", dict(nmap=i32, ranks=word, counts=i32, n=m, signal_offsets=v),
                            dict(words_constexprs, V=v, **seg.GRAY_RANK_LAUNCH))
-        yield make_variant("block_masks", dict(sorted_ranks=word, order=i64, sorted_idx=i32, unions=word,
-                                               counts=i32, n=m),
-                           dict(level_constexprs, **seg.BLOCK_MASKS_LAUNCH))
         # build_plan (two flags: the coords check) and the schedule alone; scans of int32 and int64
         for num_flags, scan in itertools.product((0, 2), (i32, i64)):
-            yield make_variant("compact_offsets", dict(unions=word, scan=scan, plan_out=i32, readback=i64,
-                                                       n=m, entries=n_blocks, kernels_at=m,
-                                                       segs_at=m + n_blocks * v),
-                               dict(level_constexprs, FLAGS=num_flags, **seg.COMPACT_LAUNCH))
+            yield make_variant("schedule_offsets", dict(
+                sorted_ranks=word, order=i64, sorted_idx=i32, counts=i32, scan=scan, plan_out=i32,
+                readback=i64, n=m, entries=m, kernels_at=m, segs_at=m + n_blocks * v, chunks=1,
+                tiles=2), dict(level_constexprs, V=v, FLAGS=num_flags, **seg.SCHEDULE_LAUNCH))
         # submanifold plans, strided ones
         for offsets, scan in itertools.product((mirrored_signal_offsets(v), v), (i32, i64)):
-            yield make_variant("pairs", dict(nmap=i32, scan=scan, in_rows=i32, out_rows=i32, seg=i32,
-                                             n=m, pairs_at=n_blocks, pairs_first=n_blocks * v),
+            yield make_variant("pairs", dict(nmap=i32, scan=scan, in_rows=i32, out_rows=i32, seg=i32, n=m),
                                dict(V=v, SIGNAL=offsets, **seg.PAIRS_LAUNCH,
                                     V_CHUNK=seg.pairs_v_chunk(offsets)))
     for m in REP_ROWS:

@@ -38,6 +38,7 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
             check_coords(coords, shape, batch_size)
         # Candidate enumeration + unique: torch ops, fast on any device, for every backend.
         return generative_plan(coords, shape, batch_size, geometry)
+    signal_offsets = mirrored_signal_offsets(geometry.volume)
     if backend == "torch":
         if check:
             check_coords(coords, shape, batch_size)
@@ -45,12 +46,14 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
     else:
         if check:
             check_coords_layout(coords)
-        # The schedule's sizes ride behind the problems, read back with them in one sync.
-        nmap, problems = submanifold_neighbor_map_triton(coords, shape, batch_size, geometry,
-                                                         spare_slots=readback_slots(PLAN_BLOCK_SIZES))
+        # The schedule's sizes and state ride behind the problems, filled with the hash table
+        # and read back with the problems in one sync.
+        nmap, problems = submanifold_neighbor_map_triton(
+            coords, shape, batch_size, geometry,
+            spare_slots=readback_slots(coords.shape[0], PLAN_BLOCK_SIZES, signal_offsets))
     fwd, (sig_i, sig_o, sig_seg), flag_values = plan_schedule(
         nmap, PLAN_BLOCK_SIZES, backend, readback=problems, num_flags=0 if problems is None else 2,
-        signal_offsets=mirrored_signal_offsets(geometry.volume))
+        signal_offsets=signal_offsets)
     if check and flag_values is not None:  # the Triton build's coords check
         raise_coords_problems(coords, shape, batch_size, *problem_rows(flag_values, coords.shape[0]))
     return ConvPlan(

@@ -83,10 +83,10 @@ def plan_schedule(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...], back
     """(GatherMap, valid_signal's triple, flags as ints or None): the whole schedule of one map.
 
     readback: None, or an int64 tensor on the map's device of num_flags +
-    segments_triton.readback_slots(block_sizes) entries, the first num_flags the caller's flags
-    (e.g. the build's input checks), read in the same host sync as the schedule's own sizes,
-    which the Triton path writes after them. The Triton path makes one host sync in all.
-    signal_offsets: as in valid_signal.
+    segments_triton.readback_slots(M, block_sizes, signal_offsets) entries, the first num_flags
+    the caller's flags (e.g. the build's input checks), read in the same host sync as the
+    schedule's own sizes, the rest -1 (the Triton path writes its sizes and state there). The
+    Triton path makes one host sync in all. signal_offsets: as in valid_signal.
     """
     signal_offsets = neighbor_map.shape[1] if signal_offsets is None else signal_offsets
     if _use_triton(neighbor_map, backend):

@@ -244,8 +244,9 @@ def schedule_offsets_kernel(sorted_ranks, order, sorted_idx, counts, scan, plan_
     pair_state = chunk_state + chunks * LEVELS
     tile = tl.atomic_add(pair_state + tiles - chunks, 1) + 1
     if tile < chunks:
-        _chunk_tile(sorted_ranks, order, sorted_idx, plan_out, readback, chunk_state, n, tile, chunks,
-                    kernels_at, segs_at, V, WORDS, WORD_BITS, B0, LEVELS, FLAGS, ROWS)
+        if LEVELS > 0:  # (without block sizes there are no chunk tiles)
+            _chunk_tile(sorted_ranks, order, sorted_idx, plan_out, readback, chunk_state, n, tile,
+                        chunks, kernels_at, segs_at, V, WORDS, WORD_BITS, B0, LEVELS, FLAGS, ROWS)
     else:
         _pair_tile(counts, scan, readback, pair_state, entries, tile - chunks, tiles - chunks,
                    FLAGS, LEVELS, PAIR_TILE)

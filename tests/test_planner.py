@@ -304,6 +304,14 @@ def test_triton_plan_equals_torch_plan_gpu(resolution, batch):
 
 
 @pytest.mark.gpu
+def test_schedule_backends_agree_gpu():
+    """The schedule alone and valid_signal alone (no block sizes) on a GPU, with real
+    concurrency across several look-back windows of tiles: equal to the torch path."""
+    coords = sphere_shell(128, 1, device="cuda")
+    _assert_schedule_backends_agree(build_plan(coords, (128,) * 3, 1, ConvGeometry.make(3)).fwd.neighbor_map)
+
+
+@pytest.mark.gpu
 def test_64bit_keys_gpu():
     coords = sphere_shell(256, 1, device="cuda")
     coords[:, 0] = BIG_BATCH - 1

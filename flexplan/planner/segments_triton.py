@@ -1,14 +1,13 @@
 """Triton path of segments.py: the same schedule, read straight from the int32 neighbour map,
 with one host sync.
 
-Gray ranks hold the offset masks losslessly, so after the sort the offset unions of the blocks
-of every block size come from the sorted ranks in one pass. Every size the host needs comes out
-of one prefix sum over one count buffer (layout: kernels_src/plan_segments.py): the offsets of
-each block, then the pairs of each (offset, row block). The scan also places each block's
-offsets and each pair. The offsets go to a buffer of the worst-case size before the one sync
-(the sums at the segment ends, plus the caller's flags); the pairs, after it.
+Gray ranks hold the offset masks losslessly, so after the sort one kernel takes the offset
+unions of the blocks of every block size from the sorted ranks, scans their offset counts and
+writes valid_kernel / valid_kernel_seg (into regions of the worst-case size, before the sync),
+and scans the pair counts the gray-rank kernel left (layout: kernels_src/plan_segments.py).
+The sync reads the totals (plus the caller's flags); the pairs are written after it.
 
-Launches: gray ranks, sort, block unions, scan, offsets (and the sizes to read), read, pairs.
+Launches: gray ranks, sort, schedule (and the totals to read), read, pairs.
 """
 from __future__ import annotations
 

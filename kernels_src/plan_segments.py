@@ -76,7 +76,6 @@ def _aligned(count):
 AGGREGATE = tl.constexpr(1 << 61)
 PREFIX = tl.constexpr(1 << 62)
 VALUE = tl.constexpr((1 << 61) - 1)
-LOOK_BACK = tl.constexpr(32)
 
 
 @triton.jit
@@ -89,7 +88,8 @@ def _published(ptr, valid):
 
 
 @triton.jit
-def _exclusive_prefix(state, tile, aggregate, columns, COLUMNS: tl.constexpr):
+def _exclusive_prefix(state, tile, aggregate, columns, COLUMNS: tl.constexpr,
+                      LOOK_BACK: tl.constexpr):
     """Per column, the sum over the tiles before this one of their aggregates; publishes this
     tile's. state: [tiles, columns] int64; aggregate: [COLUMNS] int64 (columns of them used)."""
     col = tl.arange(0, COLUMNS)
@@ -144,7 +144,7 @@ def _unions(masks, previous, l: tl.constexpr, B0: tl.constexpr, ROWS: tl.constex
 def _chunk_tile(sorted_ranks, order, sorted_idx, plan_out, readback, state, n, c, chunks,
                 kernels_at, segs_at, V: tl.constexpr, WORDS: tl.constexpr,
                 WORD_BITS: tl.constexpr, B0: tl.constexpr, LEVELS: tl.constexpr,
-                FLAGS: tl.constexpr, ROWS: tl.constexpr):
+                FLAGS: tl.constexpr, ROWS: tl.constexpr, LOOK_BACK: tl.constexpr):
     """Chunk c of ROWS sorted rows, which holds whole blocks of every block size: their unions
     and offset counts; one look-back with a column per block size; then each size's segs and
     offsets. sorted_idx = int32(order) on the way; the last chunk reports each size's total."""
@@ -166,7 +166,7 @@ def _chunk_tile(sorted_ranks, order, sorted_idx, plan_out, readback, state, n, c
     for l in tl.static_range(LEVELS):
         union = _unions(masks, union, l, B0, ROWS, WORDS_P2)
         aggregate += tl.where(level == l, tl.sum(tl.sum(_popcount(union, WORD_BITS), axis=1)), 0)
-    prefix = _exclusive_prefix(state, c, aggregate, LEVELS, LEVELS_P2)
+    prefix = _exclusive_prefix(state, c, aggregate, LEVELS, LEVELS_P2, LOOK_BACK)
     if c == chunks - 1:
         tl.store(readback + FLAGS + level, prefix + aggregate, mask=level < LEVELS)
     region = kernels_at  # each size's offsets: a run from the start of its worst-case region
@@ -206,8 +206,8 @@ def _write_level(plan_out, union, prefix, region, seg_at, c, n_blocks, B: tl.con
 
 
 @triton.jit
-def _pair_tile(counts, scan, readback, state, entries, p, pair_tiles,
-               FLAGS: tl.constexpr, LEVELS: tl.constexpr, PAIR_TILE: tl.constexpr):
+def _pair_tile(counts, scan, readback, state, entries, p, pair_tiles, FLAGS: tl.constexpr,
+               LEVELS: tl.constexpr, PAIR_TILE: tl.constexpr, LOOK_BACK: tl.constexpr):
     """Tile p of the pair entries: the scan of their counts (gray_rank_kernel's); the last tile
     reports the pairs' total."""
     entry = p * PAIR_TILE + tl.arange(0, PAIR_TILE)
@@ -215,7 +215,7 @@ def _pair_tile(counts, scan, readback, state, entries, p, pair_tiles,
     count = tl.load(counts + entry, mask=live, other=0).to(tl.int64)
     inclusive = tl.cumsum(count, 0)
     total = tl.sum(count[None, :], axis=1)  # [1]: one look-back column
-    prefix = tl.sum(_exclusive_prefix(state, p, total, 1, 1))
+    prefix = tl.sum(_exclusive_prefix(state, p, total, 1, 1, LOOK_BACK))
     tl.store(scan + entry, (prefix + inclusive).to(scan.dtype.element_ty), mask=live)
     if p == pair_tiles - 1:
         tl.store(readback + FLAGS + LEVELS, prefix + tl.sum(count))
@@ -226,7 +226,7 @@ def schedule_offsets_kernel(sorted_ranks, order, sorted_idx, counts, scan, plan_
                             entries, kernels_at, segs_at, chunks, tiles, V: tl.constexpr,
                             WORDS: tl.constexpr, WORD_BITS: tl.constexpr, B0: tl.constexpr,
                             LEVELS: tl.constexpr, FLAGS: tl.constexpr, ROWS: tl.constexpr,
-                            PAIR_TILE: tl.constexpr):
+                            PAIR_TILE: tl.constexpr, LOOK_BACK: tl.constexpr):
     """The schedule after the sort, in one launch of `tiles` tiles taken in ticket order:
     - `chunks` tiles of ROWS sorted rows (every block size divides ROWS): per block of every
       size, the union of its rows' offset masks and its offset count; valid_kernel_seg and the
@@ -246,10 +246,11 @@ def schedule_offsets_kernel(sorted_ranks, order, sorted_idx, counts, scan, plan_
     if tile < chunks:
         if LEVELS > 0:  # (without block sizes there are no chunk tiles)
             _chunk_tile(sorted_ranks, order, sorted_idx, plan_out, readback, chunk_state, n, tile,
-                        chunks, kernels_at, segs_at, V, WORDS, WORD_BITS, B0, LEVELS, FLAGS, ROWS)
+                        chunks, kernels_at, segs_at, V, WORDS, WORD_BITS, B0, LEVELS, FLAGS, ROWS,
+                        LOOK_BACK)
     else:
         _pair_tile(counts, scan, readback, pair_state, entries, tile - chunks, tiles - chunks,
-                   FLAGS, LEVELS, PAIR_TILE)
+                   FLAGS, LEVELS, PAIR_TILE, LOOK_BACK)
 
 
 @triton.jit

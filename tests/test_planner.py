@@ -179,14 +179,13 @@ def test_schedule_with_an_int64_scan(monkeypatch, device):
 def test_schedule_with_many_tiles(monkeypatch, device):
     """Small schedule tiles (forced here): both look-backs (chunks of rows, pair entries) span
     several windows of tiles; same schedule."""
-    from flexplan.kernels_src.plan_segments import LOOK_BACK
     from flexplan.planner import segments_triton
 
     monkeypatch.setattr(segments_triton, "SCHEDULE_LAUNCH", dict(ROWS=max(PLAN_BLOCK_SIZES),
-                                                                 PAIR_TILE=16, num_warps=4))
-    nmap = _random_map(27, 4500, device)
+                                                                 PAIR_TILE=16, LOOK_BACK=8, num_warps=4))
+    nmap = _random_map(27, 2000, device)
     chunks, tiles = segments_triton._layout(nmap.shape[0], PLAN_BLOCK_SIZES, 27)[-2:]
-    assert chunks > LOOK_BACK.value and tiles - chunks > 2 * LOOK_BACK.value
+    assert chunks > 8 and tiles - chunks > 2 * 8
     _assert_schedule_backends_agree(nmap)
 
 

@@ -25,9 +25,11 @@ ROW_BLOCK = 32
 GRAY_RANK_LAUNCH = dict(BLOCK=ROW_BLOCK, num_warps=2)
 PAIRS_LAUNCH = dict(BLOCK=ROW_BLOCK, num_warps=2)
 # schedule_offsets_kernel: chunk tiles of ROWS sorted rows (every block size divides it), pair
-# tiles of PAIR_TILE entries. ROWS 512: 21.6 / 64.8 / 248 us; 1024: 27 / 81 / 316; 2048:
-# 34 / 94 / 326 (4 warps; 1 or 2 warps and a tile per (chunk, block size) were slower).
-SCHEDULE_LAUNCH = dict(ROWS=512, PAIR_TILE=1024, num_warps=4)
+# tiles of PAIR_TILE entries, look-back windows of LOOK_BACK tiles. H100, R = 256 / 512 / 1024:
+# ROWS 512: 21.6 / 64.8 / 248 us; 1024: 27 / 81 / 316; 2048: 34 / 94 / 326 (4 warps; 1 or 2
+# warps, or a tile per (chunk, block size), were slower); windows of 128 tiles instead of 32:
+# 20.9 / 60.4 / 232 (the pair tiles' scan 43 -> 21 us at R=1024; 256 or 512: slower).
+SCHEDULE_LAUNCH = dict(ROWS=512, PAIR_TILE=1024, LOOK_BACK=128, num_warps=4)
 ALIGN = kernels.ALIGN.value
 
 

@@ -10,7 +10,7 @@ from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..plan import ConvPlan, mirrored_signal_offsets
 from ..sparse_tensor import check_coords, check_coords_layout, raise_coords_problems
 from .generative import generative_plan
-from .hashmap import problem_rows, submanifold_neighbor_map_triton
+from .hashmap import PROBLEM_SLOTS, problem_rows, submanifold_neighbor_map_triton
 from .reference import submanifold_neighbor_map_torch
 from .segments import plan_schedule
 from .segments_triton import readback_slots
@@ -52,7 +52,8 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
             coords, shape, batch_size, geometry,
             spare_slots=readback_slots(coords.shape[0], PLAN_BLOCK_SIZES, signal_offsets))
     fwd, (sig_i, sig_o, sig_seg), flag_values = plan_schedule(
-        nmap, PLAN_BLOCK_SIZES, backend, readback=problems, num_flags=0 if problems is None else 2,
+        nmap, PLAN_BLOCK_SIZES, backend, readback=problems,
+        num_flags=0 if problems is None else PROBLEM_SLOTS,
         signal_offsets=signal_offsets)
     if check and flag_values is not None:  # the Triton build's coords check
         raise_coords_problems(coords, shape, batch_size, *problem_rows(flag_values, coords.shape[0]))

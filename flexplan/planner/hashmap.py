@@ -22,6 +22,10 @@ INSERT_LAUNCH = dict(BLOCK=32, num_warps=4)
 LOOKUP_LAUNCH = dict(BLOCK=256, num_warps=1)
 
 
+# The input check's slots after the table: the first row outside the grid, a duplicated row.
+PROBLEM_SLOTS = 2
+
+
 def table_capacity(n: int) -> int:
     """A power of two >= 2n: load factor <= 1/2 keeps probe chains short."""
     return max(16, 1 << (2 * n - 1).bit_length())
@@ -31,18 +35,19 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
                                     batch_size: int, geometry: ConvGeometry, spare_slots: int = 0
                                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(nmap, problems). nmap: int32 [N, V], entry (i, v) is the row at coords[i] + offset v, or
-    MISSING. problems: device int64 [2 + spare_slots]: the first row outside the grid and a row
-    whose coordinate another row also has, each as N - 1 - row, -1 where there is none (decode
-    with problem_rows), then spare_slots entries for the caller (a schedule's sizes, read back
-    with the problems in one sync). The map only means something when both problems are -1,
-    but it is always safe to read. No host sync."""
+    MISSING. problems: device int64 [PROBLEM_SLOTS + spare_slots]: the first row outside the
+    grid and a row whose coordinate another row also has, each as N - 1 - row, -1 where there
+    is none (decode with problem_rows), then spare_slots entries for the caller (a schedule's
+    sizes, read back with the problems in one sync). The map only means something when both
+    problems are -1, but it is always safe to read. No host sync."""
     n, volume = coords.shape[0], geometry.volume
     device = coords.device
     coords = coords.contiguous()
     key_64 = key_dtype(spatial_shape, batch_size) == torch.int64
     capacity = table_capacity(n)
     # The slots, then the problems and the spare slots: one fill for all (-1: empty, and none).
-    keys = torch.full((capacity + 2 + spare_slots,), EMPTY_KEY, dtype=torch.int64, device=device)
+    keys = torch.full((capacity + PROBLEM_SLOTS + spare_slots,), EMPTY_KEY, dtype=torch.int64,
+                      device=device)
     problems = keys[capacity:]
     nmap = torch.empty((n, volume), dtype=torch.int32, device=device)
     # 32-bit keys share their int64 slot with the row: no value table (the kernels never read
@@ -63,8 +68,8 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
 
 
 def problem_rows(encoded: list[int], n: int) -> list[int]:
-    """The rows of submanifold_neighbor_map_triton's problems (its first two entries) read back:
-    N where there is none."""
+    """The rows of submanifold_neighbor_map_triton's problems (its first PROBLEM_SLOTS entries)
+    read back: N where there is none."""
     return [n - 1 - value for value in encoded]
 
 

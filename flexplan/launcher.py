@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
@@ -67,6 +68,12 @@ def _constexpr_tail(kernel, args: tuple, constexprs: dict) -> tuple | None:
     return tuple(tail)
 
 
+_UNIT_GRID = (1, 1, 1)  # a grid's missing dimensions
+# Triton versions whose CudaLauncher.__call__(grid, stream, function, *args) calls
+# launch(grid, stream, function, cooperative, pdl, global_scratch, profile_scratch, *args).
+_SCRATCH_FREE_CUDA_LAUNCHER = triton.__version__.startswith("3.6.")
+
+
 def _call_key(kernel, device: int, args: tuple, constexprs: dict):
     """The call's class, what Triton specializes each runtime argument on or more, as one flat
     tuple (built inline: this runs on every launch); None for arguments of other types.
@@ -96,9 +103,22 @@ def _call_key(kernel, device: int, args: tuple, constexprs: dict):
 def _triton_run(compiled):
     """Launch through Triton's own launcher for this compiled kernel, as JITFunction.run does
     (no launch metadata: only launch hooks read it, and calls with hooks never come here)."""
+    launcher = compiled.run
+    fixed = (compiled.function, compiled.packed_metadata, None, None, None)
+    if _SCRATCH_FREE_CUDA_LAUNCHER and type(launcher).__name__ == "CudaLauncher" and not (
+            launcher.global_scratch_size or launcher.profile_scratch_size):
+        # Triton 3.6's C launcher, without CudaLauncher.__call__ around it (which only
+        # allocates scratch, none here): 7.9 -> 4.9 us per launch on the H100 machines.
+        c_launch = launcher.launch
+        fixed = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+                 None, None, compiled.packed_metadata, None, None, None)
+
+        def run(grid, stream, args):
+            c_launch(*grid, *_UNIT_GRID[len(grid):], stream, *fixed, *args)
+        return run
+
     def run(grid, stream, args):
-        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                     stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        launcher(*grid, *_UNIT_GRID[len(grid):], stream, *fixed, *args)
     return run
 
 

@@ -184,7 +184,8 @@ def test_schedule_with_many_tiles(monkeypatch, device):
     monkeypatch.setattr(segments_triton, "SCHEDULE_LAUNCH", dict(ROWS=max(PLAN_BLOCK_SIZES),
                                                                  PAIR_TILE=16, LOOK_BACK=8, num_warps=4))
     nmap = _random_map(27, 2000, device)
-    chunks, tiles = segments_triton._layout(nmap.shape[0], PLAN_BLOCK_SIZES, 27)[-2:]
+    layout = segments_triton.schedule_layout(nmap.shape[0], 27, PLAN_BLOCK_SIZES, 27)
+    chunks, tiles = layout.chunks, layout.tiles
     assert chunks > 8 and tiles - chunks > 2 * 8
     _assert_schedule_backends_agree(nmap)
 

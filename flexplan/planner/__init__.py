@@ -13,7 +13,7 @@ from .generative import generative_plan
 from .hashmap import PROBLEM_SLOTS, problem_rows, submanifold_neighbor_map_triton
 from .reference import submanifold_neighbor_map_torch
 from .segments import plan_schedule
-from .segments_triton import readback_slots
+from .segments_triton import schedule_layout
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -42,20 +42,22 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
     if backend == "torch":
         if check:
             check_coords(coords, shape, batch_size)
-        nmap, problems = submanifold_neighbor_map_torch(coords, shape, batch_size, geometry), None
+        nmap = submanifold_neighbor_map_torch(coords, shape, batch_size, geometry)
+        problems = layout = None
     else:
         if check:
             check_coords_layout(coords)
         # The schedule's sizes and state ride behind the problems, filled with the hash table
         # and read back with the problems in one sync.
-        nmap, problems = submanifold_neighbor_map_triton(
-            coords, shape, batch_size, geometry,
-            spare_slots=readback_slots(coords.shape[0], PLAN_BLOCK_SIZES, signal_offsets))
+        layout = schedule_layout(coords.shape[0], geometry.volume, PLAN_BLOCK_SIZES, signal_offsets)
+        nmap, problems = submanifold_neighbor_map_triton(coords, shape, batch_size, geometry,
+                                                         spare_slots=layout.readback_slots)
     fwd, (sig_i, sig_o, sig_seg), flag_values = plan_schedule(
         nmap, PLAN_BLOCK_SIZES, backend, readback=problems,
         num_flags=0 if problems is None else PROBLEM_SLOTS,
-        signal_offsets=signal_offsets)
-    if check and flag_values is not None:  # the Triton build's coords check
+        signal_offsets=signal_offsets, layout=layout)
+    # The Triton build's coords check: a flag other than -1 names a row.
+    if check and flag_values is not None and max(flag_values) >= 0:
         raise_coords_problems(coords, shape, batch_size, *problem_rows(flag_values, coords.shape[0]))
     return ConvPlan(
         geometry=geometry, batch_size=batch_size, in_spatial_shape=shape, out_spatial_shape=shape,

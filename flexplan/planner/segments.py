@@ -79,20 +79,21 @@ def _use_triton(neighbor_map: torch.Tensor, backend: str) -> bool:
 
 def plan_schedule(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...], backend: str = "auto",
                   readback: torch.Tensor | None = None, num_flags: int = 0,
-                  signal_offsets: int | None = None):
+                  signal_offsets: int | None = None, layout=None):
     """(GatherMap, valid_signal's triple, flags as ints or None): the whole schedule of one map.
 
-    readback: None, or an int64 tensor on the map's device of num_flags +
-    segments_triton.readback_slots(M, block_sizes, signal_offsets) entries, the first num_flags
-    the caller's flags (e.g. the build's input checks), read in the same host sync as the
-    schedule's own sizes, the rest -1 (the Triton path writes its sizes and state there). The
-    Triton path makes one host sync in all. signal_offsets: as in valid_signal.
+    readback: None, or an int64 tensor on the map's device of num_flags + layout.readback_slots
+    entries (layout: segments_triton.schedule_layout of the map), the first num_flags the
+    caller's flags (e.g. the build's input checks), read in the same host sync as the schedule's
+    own sizes, the rest -1 (the Triton path writes its sizes and state there). The Triton path
+    makes one host sync in all. signal_offsets: as in valid_signal.
     """
     signal_offsets = neighbor_map.shape[1] if signal_offsets is None else signal_offsets
     if _use_triton(neighbor_map, backend):
         from .segments_triton import plan_schedule_triton
 
-        return plan_schedule_triton(neighbor_map, block_sizes, signal_offsets, readback, num_flags)
+        return plan_schedule_triton(neighbor_map, block_sizes, signal_offsets, readback, num_flags,
+                                    layout)
     return (gather_map(neighbor_map, block_sizes, "torch"),
             valid_signal(neighbor_map, "torch", signal_offsets),
             readback[:num_flags].tolist() if num_flags else None)

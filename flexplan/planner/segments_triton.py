@@ -11,6 +11,9 @@ Launches: gray ranks, sort, schedule (and the totals to read), read, pairs.
 """
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 
 from ..kernels_src import plan_segments as kernels
@@ -39,14 +42,6 @@ def pairs_v_chunk(signal_offsets: int) -> int:
     return min(32, 1 << (signal_offsets - 1).bit_length())
 
 
-def _aligned_starts(lengths: list[int], align: int) -> list[int]:
-    """Starts of runs of these lengths laid out at multiples of align, and the end."""
-    starts = [0]
-    for length in lengths:
-        starts.append(starts[-1] + -(-length // align) * align)
-    return starts
-
-
 def scan_dtype(bound: int) -> torch.dtype:
     """dtype of the count buffer's prefix sum when its total is at most bound."""
     return torch.int32 if bound < 2**31 else torch.int64
@@ -55,39 +50,80 @@ def scan_dtype(bound: int) -> torch.dtype:
 def block_levels(block_sizes: tuple[int, ...]) -> tuple[int, int]:
     """(smallest, count): the sizes must double from a power of two, up to a size that divides
     the schedule kernel's tiles of rows."""
+    return _block_levels(tuple(block_sizes), SCHEDULE_LAUNCH["ROWS"])
+
+
+@functools.lru_cache(maxsize=16)  # one set of block sizes per process, in practice
+def _block_levels(block_sizes: tuple[int, ...], rows: int) -> tuple[int, int]:
     sizes = sorted(block_sizes)
     if (sizes[0] & (sizes[0] - 1) or sizes != [sizes[0] << l for l in range(len(sizes))]
-            or sizes[-1] > SCHEDULE_LAUNCH["ROWS"]):
+            or sizes[-1] > rows):
         raise ValueError(f"Triton schedule needs block sizes doubling from a power of two up to "
-                         f"{SCHEDULE_LAUNCH['ROWS']}, got {tuple(block_sizes)}")
+                         f"{rows}, got {block_sizes}")
     return sizes[0], len(sizes)
 
 
-def _layout(m: int, block_sizes: tuple[int, ...], signal_offsets: int):
-    """(smallest block, block sizes, blocks per size, row blocks, pair entries, chunk tiles,
-    tiles) of the schedule of m rows (layout: kernels_src/plan_segments.py)."""
+def _aligned(count: int) -> int:
+    return -(-count // ALIGN) * ALIGN
+
+
+class ScheduleLayout(NamedTuple):
+    """Sizes and places of the schedule of m rows (kernels_src/plan_segments.py). plan_out, the
+    plan's int32 outputs, holds runs starting at multiples of ALIGN: sorted_idx at 0; from
+    kernels_at, each block size's valid_kernel in a region sized for every block having every
+    offset (kernel_starts; about 12% of the map's size for the shipped block sizes: the offsets
+    are written before the host sync, not after it); from segs_at, their segs (seg_runs: block
+    size -> (start, length)); valid_signal's seg at signal_seg_at."""
+    smallest: int
+    levels: int
+    row_blocks: int
+    entries: int  # pair counts: one per (offset < signal_offsets, row block)
+    chunks: int  # chunk tiles of the schedule kernel; then pair tiles, `tiles` in all
+    tiles: int
+    kernels_at: int
+    kernel_starts: tuple[int, ...]
+    segs_at: int
+    seg_runs: dict
+    signal_seg_at: int
+    out_size: int
+    # int64 entries after the caller's flags, all -1 before the schedule runs: the totals its
+    # one host sync reads (each block size's offsets, the pairs), then its look-back state (one
+    # per chunk tile and block size, one per pair tile, a ticket).
+    readback_slots: int
+
+
+def schedule_layout(m: int, v: int, block_sizes: tuple[int, ...], signal_offsets: int
+                    ) -> ScheduleLayout:
+    """The layout of the schedule of an [m, v] map (one per build: the caller sizes its
+    readback buffer by it and hands it to plan_schedule)."""
     smallest, levels = block_levels(block_sizes) if block_sizes else (1, 0)
-    level_blocks = [cdiv(m, smallest << l) for l in range(levels)]
     row_blocks = cdiv(m, ROW_BLOCK)
     entries = signal_offsets * row_blocks
     chunks = cdiv(m, SCHEDULE_LAUNCH["ROWS"]) if levels else 0
     tiles = chunks + cdiv(entries, SCHEDULE_LAUNCH["PAIR_TILE"])
-    return smallest, levels, level_blocks, row_blocks, entries, chunks, tiles
-
-
-def readback_slots(m: int, block_sizes: tuple[int, ...], signal_offsets: int) -> int:
-    """int64 entries the schedule of m rows needs after the caller's flags, all -1 before it
-    runs: the totals its one host sync reads (each block size's offsets, the pairs), then its
-    look-back state (one per chunk tile and block size, one per pair tile, a ticket)."""
-    _, levels, _, _, _, chunks, tiles = _layout(m, block_sizes, signal_offsets)
-    return levels + 1 + chunks * levels + (tiles - chunks) + 1
+    at = kernels_at = _aligned(m) if levels else 0
+    blocks = [cdiv(m, smallest << l) for l in range(levels)]
+    kernel_starts = []
+    for count in blocks:
+        kernel_starts.append(at)
+        at += _aligned(count * v)
+    segs_at, seg_runs = at, {}
+    for l, count in enumerate(blocks):
+        seg_runs[smallest << l] = (at, count + 1)
+        at += _aligned(count + 1)
+    signal_seg_at = at
+    at += _aligned(signal_offsets + 1) if signal_offsets else 0
+    return ScheduleLayout(smallest, levels, row_blocks, entries, chunks, tiles, kernels_at,
+                          tuple(kernel_starts), segs_at, seg_runs, signal_seg_at, at,
+                          levels + 1 + chunks * levels + (tiles - chunks) + 1)
 
 
 def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],
                          signal_offsets: int, readback: torch.Tensor | None = None,
-                         num_flags: int = 0):
+                         num_flags: int = 0, layout: ScheduleLayout | None = None):
     """segments.plan_schedule: (GatherMap or None without block sizes, the valid_signal triple of
-    the offsets v < signal_offsets or None for 0, the flags as ints or None)."""
+    the offsets v < signal_offsets or None for 0, the flags as ints or None). layout: the
+    map's schedule_layout, when the caller made it already."""
     m, v = neighbor_map.shape
     if m == 0:  # nothing to launch
         return (gather_map(neighbor_map, block_sizes, "torch") if block_sizes else None,
@@ -95,27 +131,20 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
                 readback[:num_flags].tolist() if num_flags else None)
     device = neighbor_map.device
     nmap = neighbor_map.contiguous()
-    smallest, levels, level_blocks, row_blocks, entries, chunks, tiles = _layout(
-        m, block_sizes, signal_offsets)
+    if layout is None:
+        layout = schedule_layout(m, v, block_sizes, signal_offsets)
+    levels, row_blocks, entries = layout.levels, layout.row_blocks, layout.entries
     counts = torch.empty(max(1, entries), dtype=torch.int32, device=device)
     word_bits, word_dtype, words = rank_words(v)
     # (one word: a flat tensor, so that the sort needs no row view of it)
     ranks = torch.empty((words, m) if words > 1 else m, dtype=word_dtype, device=device)
     launch(kernels.gray_rank_kernel, (row_blocks,), nmap, ranks, counts, m, signal_offsets, V=v,
            WORDS=words, WORD_BITS=word_bits, **GRAY_RANK_LAUNCH)
-    # The plan's int32 outputs share one buffer (one allocation, not four), in runs starting
-    # at multiples of ALIGN: sorted_idx; each block size's valid_kernel, in a region sized for
-    # every block having every offset (about 12% of the map's size for the shipped block
-    # sizes: the offsets are written before the host sync, not after it); their segs; and
-    # valid_signal's seg.
-    region_at = _aligned_starts([blocks * v for blocks in level_blocks], ALIGN)
-    seg_at = _aligned_starts([blocks + 1 for blocks in level_blocks], ALIGN)
-    sorted_at, kernels_at, segs_at, signal_seg_at, out_size = _aligned_starts(
-        [m if levels else 0, region_at[-1], seg_at[-1], signal_offsets + 1 if signal_offsets else 0], ALIGN)
-    plan_out = torch.empty(max(1, out_size), dtype=torch.int32, device=device)
+    # The plan's int32 outputs share one buffer (one allocation, not four).
+    plan_out = torch.empty(max(1, layout.out_size), dtype=torch.int32, device=device)
     if levels:
         sorted_ranks, order = sort_by_rank(ranks)
-        sorted_idx = plan_out[sorted_at:sorted_at + m]
+        sorted_idx = plan_out[:m]
     else:  # not read: no block sizes, no blocks
         sorted_ranks = order = sorted_idx = counts
     # int32 where no sum can pass it (then in place of the counts): each row has at most
@@ -123,11 +152,12 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     scan = (counts if scan_dtype(m * signal_offsets) == torch.int32
             else torch.empty(max(1, entries), dtype=torch.int64, device=device))
     if readback is None:
-        readback = torch.full((num_flags + readback_slots(m, block_sizes, signal_offsets),), -1,
-                              dtype=torch.int64, device=device)
-    launch(kernels.schedule_offsets_kernel, (tiles,), sorted_ranks, order, sorted_idx, counts, scan,
-           plan_out, readback, m, entries, kernels_at, segs_at, chunks, tiles, V=v, WORDS=words,
-           WORD_BITS=word_bits, B0=smallest, LEVELS=levels, FLAGS=num_flags, **SCHEDULE_LAUNCH)
+        readback = torch.full((num_flags + layout.readback_slots,), -1, dtype=torch.int64,
+                              device=device)
+    launch(kernels.schedule_offsets_kernel, (layout.tiles,), sorted_ranks, order, sorted_idx, counts,
+           scan, plan_out, readback, m, entries, layout.kernels_at, layout.segs_at, layout.chunks,
+           layout.tiles, V=v, WORDS=words, WORD_BITS=word_bits, B0=layout.smallest, LEVELS=levels,
+           FLAGS=num_flags, **SCHEDULE_LAUNCH)
     # Scratch is dropped once the last launch that reads it is queued (the allocator reuses it
     # in stream order): before the host sync, its frees overlap the GPU's work.
     del ranks, sorted_ranks, order, counts
@@ -139,14 +169,14 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     if signal_offsets:  # launched first: the Python below then runs while the GPU writes pairs
         in_rows = torch.empty(pairs_total, dtype=torch.int32, device=device)
         out_rows = torch.empty(pairs_total, dtype=torch.int32, device=device)
-        seg = plan_out[signal_seg_at:signal_seg_at + signal_offsets + 1]
+        seg = plan_out[layout.signal_seg_at:layout.signal_seg_at + signal_offsets + 1]
         launch(kernels.pairs_kernel, (row_blocks,), nmap, scan, in_rows, out_rows, seg, m, V=v,
                SIGNAL=signal_offsets, **PAIRS_LAUNCH, V_CHUNK=pairs_v_chunk(signal_offsets))
         pairs = (in_rows, out_rows, seg)
     gmap = None
     if levels:
-        gmap = GatherMap(
-            nmap, sorted_idx,
-            BlockRuns(plan_out, {smallest << l: (kernels_at + region_at[l], lengths[l]) for l in range(levels)}),
-            BlockRuns(plan_out, {smallest << l: (segs_at + seg_at[l], level_blocks[l] + 1) for l in range(levels)}))
+        gmap = GatherMap(nmap, sorted_idx, BlockRuns(plan_out, {
+            block: (start, length)
+            for block, start, length in zip(layout.seg_runs, layout.kernel_starts, lengths)}),
+            BlockRuns(plan_out, layout.seg_runs))
     return gmap, pairs, flag_values

@@ -50,6 +50,39 @@ def test_constexpr_tail_follows_the_parameters():
     assert launcher._constexpr_tail(JITFunction(_constexpr_first), (64, t), {}) is None
 
 
+class CudaLauncher:
+    """Stands in for Triton's launcher of one compiled kernel: records how it is called."""
+
+    def __init__(self, scratch: int):
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.calls = []
+        self.launch = lambda *args: self.calls.append(("c", args))
+
+    def __call__(self, *args):
+        self.calls.append(("python", args))
+
+
+class _Compiled:
+    def __init__(self, scratch: int):
+        self.run, self.function, self.packed_metadata = CudaLauncher(scratch), "fn", "meta"
+
+
+@pytest.mark.parametrize("scratch_free_launcher", [False, True])
+@pytest.mark.parametrize("scratch", [0, 256])
+def test_repeat_launches_call_tritons_launcher_as_it_expects(monkeypatch, scratch_free_launcher, scratch):
+    """Triton 3.6 without scratch: its C launcher directly (grid, stream, function, cooperative,
+    pdl, no scratch, metadata, no hooks, arguments); otherwise CudaLauncher.__call__."""
+    monkeypatch.setattr(launcher, "_SCRATCH_FREE_CUDA_LAUNCHER", scratch_free_launcher)
+    compiled = _Compiled(scratch)
+    launcher._triton_run(compiled)((5,), 7, ("a", 3))
+    if scratch_free_launcher and not scratch:
+        expected = ("c", (5, 1, 1, 7, "fn", False, True, None, None, "meta", None, None, None, "a", 3))
+    else:
+        expected = ("python", (5, 1, 1, 7, "fn", "meta", None, None, None, "a", 3))
+    assert compiled.run.calls == [expected]
+
+
 @pytest.mark.gpu
 def test_repeated_launches_of_every_class_compute_the_right_thing():
     kernel = triton.jit(_add_one)

@@ -1,4 +1,5 @@
-"""Facts every benchmark records next to its numbers: the date and the GPU's measured state.
+"""Facts every benchmark records next to its numbers: the date, the GPU's measured state and the
+host's speed.
 
 Scripts in this folder run as `python scripts/NAME.py`, so they import this module directly.
 """
@@ -27,3 +28,24 @@ def dense_tflops(dtype=None, allow_tf32: bool = False, n: int = 8192) -> float:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
     return 2 * n ** 3 / ms / 1e9
+
+
+def host_launch_us(launches: int = 2000) -> float:
+    """Host time of one small torch kernel launch (x.add_(1) on one element, median of 5 runs):
+    builds that are host-bound (small plans) run as fast as this, and machines of one kind
+    differ by 1.5x in it."""
+    import statistics
+    import time
+
+    import torch
+
+    x = torch.zeros(1, device="cuda")
+    runs = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(launches):
+            x.add_(1)
+        runs.append((time.perf_counter() - start) / launches * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(runs)

@@ -33,7 +33,7 @@ from flexplan.planner.segments import gather_map, plan_schedule, valid_signal
 from flexplan.sparse_tensor import check_coords
 from flexplan.workloads import sphere_shell
 
-from bench_common import dense_tflops, today
+from bench_common import dense_tflops, host_launch_us, today
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_planner.md")
 DATE = today()
@@ -176,8 +176,8 @@ def main():
     except ImportError:
         sp_version = "not installed"
     header = (f"GPU {torch.cuda.get_device_name()} (dense fp16 {dense_tflops():.0f} TFLOPS "
-              f"measured); torch {torch.__version__}; Triton {triton.__version__}; spconv "
-              f"{sp_version}; date {DATE}.")
+              f"measured); host {host_launch_us():.1f} us per small torch launch; torch "
+              f"{torch.__version__}; Triton {triton.__version__}; spconv {sp_version}; date {DATE}.")
     print(header)
     write_report([run_size(r) for r in args.sizes], header)
 

@@ -3,9 +3,14 @@ and per-offset (input, output) pairs. Plain torch ops (the CPU path and the test
 same schedule on the GPU is segments_triton.py."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..plan import MISSING, GatherMap
+
+if TYPE_CHECKING:  # segments_triton imports this module
+    from .segments_triton import ScheduleLayout
 
 
 def rank_words(volume: int) -> tuple[int, torch.dtype, int]:
@@ -79,7 +84,7 @@ def _use_triton(neighbor_map: torch.Tensor, backend: str) -> bool:
 
 def plan_schedule(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...], backend: str = "auto",
                   readback: torch.Tensor | None = None, num_flags: int = 0,
-                  signal_offsets: int | None = None, layout=None):
+                  signal_offsets: int | None = None, layout: ScheduleLayout | None = None):
     """(GatherMap, valid_signal's triple, flags as ints or None): the whole schedule of one map.
 
     readback: None, or an int64 tensor on the map's device of num_flags + layout.readback_slots

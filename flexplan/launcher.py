@@ -105,7 +105,6 @@ def _triton_run(compiled):
     """Launch through Triton's own launcher for this compiled kernel, as JITFunction.run does
     (no launch metadata: only launch hooks read it, and calls with hooks never come here)."""
     launcher = compiled.run
-    fixed = (compiled.function, compiled.packed_metadata, None, None, None)
     if _SCRATCH_FREE_CUDA_LAUNCHER and type(launcher).__name__ == "CudaLauncher" and not (
             launcher.global_scratch_size or launcher.profile_scratch_size):
         # Triton 3.6's C launcher, without CudaLauncher.__call__ around it (which only
@@ -117,6 +116,8 @@ def _triton_run(compiled):
         def run(grid, stream, args):
             c_launch(*grid, *_UNIT_GRID[len(grid):], stream, *fixed, *args)
         return run
+
+    fixed = (compiled.function, compiled.packed_metadata, None, None, None)
 
     def run(grid, stream, args):
         launcher(*grid, *_UNIT_GRID[len(grid):], stream, *fixed, *args)

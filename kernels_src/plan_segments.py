@@ -21,13 +21,15 @@ MISSING = tl.constexpr(-1)
 ALIGN = tl.constexpr(4)
 
 
-# The offset count takes any value: specializing on it would only multiply binaries.
-@triton.jit(do_not_specialize=["signal_offsets"])
-def gray_rank_kernel(nmap, ranks, counts, n, signal_offsets, V: tl.constexpr,
+# The offset count and the padded length take any value: specializing on them would only
+# multiply binaries.
+@triton.jit(do_not_specialize=["signal_offsets", "padded"])
+def gray_rank_kernel(nmap, ranks, counts, n, signal_offsets, padded, V: tl.constexpr,
                      WORDS: tl.constexpr, WORD_BITS: tl.constexpr, BLOCK: tl.constexpr):
     """ranks[w, i] = word w of row i's inverse-Gray-code rank (offset V-1 most significant), and
-    the pair count of each offset v < signal_offsets in this program's rows. Grid: the row
-    blocks."""
+    the pair count of each offset v < signal_offsets in this program's rows. One word: ranks
+    [n, padded) (padded <= 2n) get the largest word, which sorts after every rank (a sort
+    of a fixed size, flexplan/planner/sort_graph.py). Grid: the row blocks."""
     MASK_BITS: tl.constexpr = WORD_BITS - 1
     ALL_ONES: tl.constexpr = (1 << MASK_BITS) - 1
     DT: tl.constexpr = ranks.dtype.element_ty
@@ -53,6 +55,9 @@ def gray_rank_kernel(nmap, ranks, counts, n, signal_offsets, V: tl.constexpr,
         tl.store(ranks + w * n + rows, word, mask=live)
         tl.store(counts + cols.to(tl.int64) * tl.num_programs(0) + pid,
                  tl.sum(present.to(tl.int32), axis=0), mask=valid & (cols < signal_offsets))
+    if WORDS == 1:  # this program's share of the padding: rows n + its rows
+        pad = n + rows
+        tl.store(ranks + pad, tl.full([BLOCK], ALL_ONES, DT), mask=pad < padded)
 
 
 @triton.jit

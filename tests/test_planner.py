@@ -10,7 +10,8 @@ from flexplan.planner.hashmap import coords_problems, problem_rows, submanifold_
 from flexplan.planner.keys import key_dtype
 from flexplan.planner.offsets import kernel_offsets
 from flexplan.planner.reference import submanifold_neighbor_map_torch
-from flexplan.planner.segments import gather_map, valid_signal
+from flexplan.planner import rank_sort
+from flexplan.planner.segments import gather_map, gray_rank_words, valid_signal
 from flexplan.sparse_tensor import SparseTensorError, check_coords
 from flexplan.workloads import random_coords, sphere_shell
 
@@ -164,6 +165,31 @@ def _assert_schedule_backends_agree(nmap):
 @pytest.mark.parametrize("volume,m", [(27, 157), (45, 157), (125, 157), (27, 1100)])
 def test_schedule_backends_agree_on_any_map(volume, m, device):
     _assert_schedule_backends_agree(_random_map(volume, m, device))
+
+
+def test_rank_sort_buckets():
+    """Captured sorts serve buckets of row counts: at most 1/8 more keys than rows."""
+    for rows in [rank_sort.MIN_ROWS, 4097, 9000, 331328, rank_sort.MAX_ROWS - 1, rank_sort.MAX_ROWS]:
+        size = rank_sort.bucket(rows)
+        assert rows <= size <= rows * 9 // 8 and rank_sort.bucket(size) == size
+    assert rank_sort.bucket(8193) == rank_sort.bucket(9216) == 9216
+
+
+def test_gray_rank_kernel_pads_the_keys(device):
+    """Ranks padded to a sort's fixed size: the padding holds the largest word, what lies
+    past it is untouched, and the ranks equal the torch path's."""
+    from flexplan.kernels_src import plan_segments
+    from flexplan.launcher import launch
+    from flexplan.planner.segments_triton import GRAY_RANK_LAUNCH, ROW_BLOCK
+
+    m, padded, volume = 157, 170, 27
+    nmap = _random_map(volume, m, device)
+    keys = torch.full((200,), 7, dtype=torch.int32, device=device)
+    counts = torch.empty(volume * -(-m // ROW_BLOCK), dtype=torch.int32, device=device)
+    launch(plan_segments.gray_rank_kernel, (-(-m // ROW_BLOCK),), nmap, keys, counts, m, volume,
+           padded, V=volume, WORDS=1, WORD_BITS=32, **GRAY_RANK_LAUNCH)
+    assert torch.equal(keys[:m], gray_rank_words(nmap != MISSING)[0])
+    assert (keys[m:padded] == 2**31 - 1).all() and (keys[padded:] == 7).all()
 
 
 def test_schedule_with_an_int64_scan(monkeypatch, device):
@@ -329,3 +355,24 @@ def test_duplicates_rejected_on_gpu():
     dup = torch.cat([coords, coords[1234:1235]])
     with pytest.raises(SparseTensorError, match="rows 1234 and"):
         build_plan(dup, (128,) * 3, 1, ConvGeometry.make(3))
+
+
+@pytest.mark.gpu
+def test_captured_rank_sort_gpu():
+    """Small schedules sort through a captured graph: two row counts of one bucket in turn (the
+    second must not read the first one's keys past its rows), on two streams."""
+    rank_sort.release()
+    assert isinstance(rank_sort.rank_sorter(9000, 1, torch.int32, torch.device("cuda", 0)),
+                      rank_sort.CapturedSort)
+    for m in (9000, 8300):  # one bucket: 9216 keys
+        _assert_schedule_backends_agree(_random_map(27, m, "cuda"))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        _assert_schedule_backends_agree(_random_map(27, 8700, "cuda"))
+    torch.cuda.synchronize()
+    graph, touched = torch.cuda.CUDAGraph(), torch.zeros(1, device="cuda")
+    with torch.cuda.graph(graph):  # no nested capture: torch.sort inside the caller's graph
+        assert isinstance(rank_sort.rank_sorter(9000, 1, torch.int32, torch.device("cuda", 0)),
+                          rank_sort.TorchSort)
+        touched.add_(1)  # (a graph with work in it)
+    rank_sort.release()

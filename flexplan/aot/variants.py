@@ -218,7 +218,8 @@ def segment_variants() -> Iterator[Variant]:
         n_blocks = sum(-(-m // (smallest << l)) for l in range(levels))
         words_constexprs = dict(WORDS=words, WORD_BITS=bits)
         level_constexprs = dict(words_constexprs, B0=smallest, LEVELS=levels)
-        yield make_variant("gray_rank", dict(nmap=i32, ranks=word, counts=i32, n=m, signal_offsets=v),
+        yield make_variant("gray_rank", dict(nmap=i32, ranks=word, counts=i32, n=m,
+                                             signal_offsets=v, padded=m),
                            dict(words_constexprs, V=v, **seg.GRAY_RANK_LAUNCH))
         # build_plan (two flags: the coords check) and the schedule alone; scans of int32 and int64
         for num_flags, scan in itertools.product((0, 2), (i32, i64)):

@@ -7,7 +7,8 @@ writes valid_kernel / valid_kernel_seg (into regions of the worst-case size, bef
 and scans the pair counts the gray-rank kernel left (layout: kernels_src/plan_segments.py).
 The sync reads the totals (plus the caller's flags); the pairs are written after it.
 
-Launches: gray ranks, sort, schedule (and the totals to read), read, pairs.
+Launches: gray ranks, sort (a graph replay for small builds: rank_sort.py), schedule (and the
+totals to read), read, pairs.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import torch
 from ..kernels_src import plan_segments as kernels
 from ..launcher import cdiv, launch
 from ..plan import BlockRuns, GatherMap
-from .segments import gather_map, rank_words, sort_by_rank, valid_signal
+from .rank_sort import TorchSort, rank_sorter
+from .segments import gather_map, rank_words, valid_signal
 
 # Tiles and warps (H100 sweeps, 2026-11-24, R = 256 / 512 / 1024 shells). gray_rank and pairs
 # share their row blocks (pairs are counted per row block): 32 rows took pairs 31 / 120 / 466 us
@@ -136,28 +138,29 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     levels, row_blocks, entries = layout.levels, layout.row_blocks, layout.entries
     counts = torch.empty(max(1, entries), dtype=torch.int32, device=device)
     word_bits, word_dtype, words = rank_words(v)
-    # (one word: a flat tensor, so that the sort needs no row view of it)
-    ranks = torch.empty((words, m) if words > 1 else m, dtype=word_dtype, device=device)
-    launch(kernels.gray_rank_kernel, (row_blocks,), nmap, ranks, counts, m, signal_offsets, V=v,
-           WORDS=words, WORD_BITS=word_bits, **GRAY_RANK_LAUNCH)
-    # The plan's int32 outputs share one buffer (one allocation, not four).
-    plan_out = torch.empty(max(1, layout.out_size), dtype=torch.int32, device=device)
-    if levels:
-        sorted_ranks, order = sort_by_rank(ranks)
-        sorted_idx = plan_out[:m]
-    else:  # not read: no block sizes, no blocks
-        sorted_ranks = order = sorted_idx = counts
-    # int32 where no sum can pass it (then in place of the counts): each row has at most
-    # signal_offsets pairs.
-    scan = (counts if scan_dtype(m * signal_offsets) == torch.int32
-            else torch.empty(max(1, entries), dtype=torch.int64, device=device))
-    if readback is None:
-        readback = torch.full((num_flags + layout.readback_slots,), -1, dtype=torch.int64,
-                              device=device)
-    launch(kernels.schedule_offsets_kernel, (layout.tiles,), sorted_ranks, order, sorted_idx, counts,
-           scan, plan_out, readback, m, entries, layout.kernels_at, layout.segs_at, layout.chunks,
-           layout.tiles, V=v, WORDS=words, WORD_BITS=word_bits, B0=layout.smallest, LEVELS=levels,
-           FLAGS=num_flags, **SCHEDULE_LAUNCH)
+    sorter = (rank_sorter if levels else TorchSort)(m, words, word_dtype, device)  # (or no sort)
+    with sorter:  # a captured sort's keys and outputs are ours until the schedule is queued
+        ranks = sorter.keys
+        launch(kernels.gray_rank_kernel, (row_blocks,), nmap, ranks, counts, m, signal_offsets,
+               sorter.size, V=v, WORDS=words, WORD_BITS=word_bits, **GRAY_RANK_LAUNCH)
+        # The plan's int32 outputs share one buffer (one allocation, not four).
+        plan_out = torch.empty(max(1, layout.out_size), dtype=torch.int32, device=device)
+        if levels:
+            sorted_ranks, order = sorter.sort()
+            sorted_idx = plan_out[:m]
+        else:  # not read: no block sizes, no blocks
+            sorted_ranks = order = sorted_idx = counts
+        # int32 where no sum can pass it (then in place of the counts): each row has at most
+        # signal_offsets pairs.
+        scan = (counts if scan_dtype(m * signal_offsets) == torch.int32
+                else torch.empty(max(1, entries), dtype=torch.int64, device=device))
+        if readback is None:
+            readback = torch.full((num_flags + layout.readback_slots,), -1, dtype=torch.int64,
+                                  device=device)
+        launch(kernels.schedule_offsets_kernel, (layout.tiles,), sorted_ranks, order, sorted_idx,
+               counts, scan, plan_out, readback, m, entries, layout.kernels_at, layout.segs_at,
+               layout.chunks, layout.tiles, V=v, WORDS=words, WORD_BITS=word_bits,
+               B0=layout.smallest, LEVELS=levels, FLAGS=num_flags, **SCHEDULE_LAUNCH)
     # Scratch is dropped once the last launch that reads it is queued (the allocator reuses it
     # in stream order): before the host sync, its frees overlap the GPU's work.
     del ranks, sorted_ranks, order, counts

@@ -1,0 +1,130 @@
+"""Sorting the Gray ranks of a Triton build: small builds replay a captured CUDA graph.
+
+torch.sort of the ranks issues about a dozen device operations (a copy, an index fill, memsets,
+CUB's histogram, scan and onesweep passes); their host work, about 90 us on the H100 hosts, is
+what bounds builds of a few hundred thousand rows. A graph of that sort replays them with one
+launch. Graphs sort a fixed number of keys, so each serves a bucket of row counts: the keys are
+padded to the bucket with the largest word (gray_rank_kernel writes the padding), which sorts
+after every rank; the sort is stable, so the real rows come first and in order.
+
+One captured sort per (device, stream, bucket, key dtype), the few most recent kept: it owns
+its key buffer and outputs, so builds that share it hold its lock from writing the keys until
+the last kernel that reads the sorted outputs is queued.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import warnings
+
+import torch
+
+from .segments import sort_by_rank
+
+# Rows sorted through graphs: below, torch.sort is a single in-place kernel; above, the GPU's
+# sort time outweighs the host's and the buffers grow (about 30 bytes a key, CUB's included).
+MIN_ROWS, MAX_ROWS = 1 << 12, 1 << 20
+BUCKET_STEPS = 8  # buckets per power of two: keys padded by at most 1/8
+KEPT = 4
+
+_sorts: collections.OrderedDict = collections.OrderedDict()
+_sorts_lock = threading.Lock()
+
+
+def bucket(rows: int) -> int:
+    """The number of keys sorted for `rows` rows: rows rounded up to a multiple of 1/8 of the
+    power of two at or below it."""
+    step = max(1, (1 << (rows.bit_length() - 1)) // BUCKET_STEPS)
+    return -(-rows // step) * step
+
+
+class TorchSort:
+    """Keys [words, rows] (or [rows] for one word) allocated per build, sorted by torch.sort."""
+
+    def __init__(self, rows: int, words: int, dtype: torch.dtype, device: torch.device):
+        self.size = rows
+        # (one word: a flat tensor, so that the sort needs no row view of it)
+        self.keys = torch.empty((words, rows) if words > 1 else rows, dtype=dtype, device=device)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def sort(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sorted keys, order): a stable sort of the rows by their keys."""
+        return sort_by_rank(self.keys)
+
+
+class CapturedSort:
+    """torch.sort(keys, stable=True) of a fixed-size key buffer, captured once; sort() replays it
+    on the current stream and returns the same (sorted keys, order) tensors. Hold it (with)
+    from writing the keys until the sorted outputs are read."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device):
+        self.size = size
+        self.keys = torch.empty(size, dtype=dtype, device=device)
+        self.lock = threading.Lock()
+        self.graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            torch.sort(self.keys, stable=True)  # first-use work (CUB, allocator) stays out of the graph
+            # thread_local: other threads' CUDA calls during the capture do not break it
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.sorted, self.order = torch.sort(self.keys, stable=True)
+            finally:
+                self.graph.capture_end()
+        current.wait_stream(side)
+
+    def __enter__(self):
+        self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+        return False
+
+    def sort(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.graph.replay()
+        return self.sorted, self.order
+
+
+def rank_sorter(rows: int, words: int, dtype: torch.dtype,
+                device: torch.device) -> CapturedSort | TorchSort:
+    """How to sort the ranks of `rows` rows in `words` words of `dtype`: the captured sort of
+    the current stream of `device` (captured on first use) for one word and MIN_ROWS to
+    MAX_ROWS rows, else (or inside the caller's own graph capture, or where a capture failed)
+    torch.sort. Its keys are where the ranks go, its size their padded length."""
+    if words > 1 or not MIN_ROWS <= rows <= MAX_ROWS or device.type != "cuda" or (
+            torch.cuda.is_current_stream_capturing()):  # (no nested capture)
+        return TorchSort(rows, words, dtype, device)
+    found = _captured_sort(bucket(rows), dtype, device)
+    return TorchSort(rows, words, dtype, device) if found is None else found
+
+
+def _captured_sort(size: int, dtype: torch.dtype, device: torch.device) -> CapturedSort | None:
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), size, dtype)
+    with _sorts_lock:
+        if key in _sorts:
+            _sorts.move_to_end(key)
+            return _sorts[key]
+        try:
+            found = CapturedSort(size, dtype, device)
+        except RuntimeError as exc:  # keep building, with torch.sort
+            warnings.warn(f"flexplan: capturing the planner's sort failed ({exc}); using "
+                          f"torch.sort for {size} keys on this stream", RuntimeWarning)
+            found = None
+        _sorts[key] = found
+        while len(_sorts) > KEPT:
+            _sorts.popitem(last=False)
+        return found
+
+
+def release() -> None:
+    """Drop every captured sort (their graphs and buffers)."""
+    with _sorts_lock:
+        _sorts.clear()

@@ -168,11 +168,11 @@ def test_schedule_backends_agree_on_any_map(volume, m, device):
 
 
 def test_rank_sort_buckets():
-    """Captured sorts serve buckets of row counts: at most 1/8 more keys than rows."""
+    """Captured sorts serve buckets of row counts: at most 1/4 more keys than rows."""
     for rows in [rank_sort.MIN_ROWS, 4097, 9000, 331328, rank_sort.MAX_ROWS - 1, rank_sort.MAX_ROWS]:
         size = rank_sort.bucket(rows)
-        assert rows <= size <= rows * 9 // 8 and rank_sort.bucket(size) == size
-    assert rank_sort.bucket(8193) == rank_sort.bucket(9216) == 9216
+        assert rows <= size <= rows * 5 // 4 and rank_sort.bucket(size) == size
+    assert rank_sort.bucket(8193) == rank_sort.bucket(10240) == 10240
 
 
 def test_gray_rank_kernel_pads_the_keys(device):
@@ -358,21 +358,27 @@ def test_duplicates_rejected_on_gpu():
 
 
 @pytest.mark.gpu
-def test_captured_rank_sort_gpu():
-    """Small schedules sort through a captured graph: two row counts of one bucket in turn (the
-    second must not read the first one's keys past its rows), on two streams."""
+def test_captured_rank_sort_gpu(monkeypatch):
+    """Small schedules sort through a graph captured at a bucket's second request: two row
+    counts of one bucket in turn (the second must not read the first one's keys past its
+    rows), on two streams; none past the budget of keys, none inside the caller's capture."""
+    def sorter(rows=9000):
+        return rank_sort.rank_sorter(rows, 1, torch.int32, torch.device("cuda", 0))
+
     rank_sort.release()
-    assert isinstance(rank_sort.rank_sorter(9000, 1, torch.int32, torch.device("cuda", 0)),
-                      rank_sort.CapturedSort)
-    for m in (9000, 8300):  # one bucket: 9216 keys
+    assert isinstance(sorter(), rank_sort.TorchSort) and isinstance(sorter(), rank_sort.CapturedSort)
+    for m in (9000, 8300):  # one bucket: 10240 keys
         _assert_schedule_backends_agree(_random_map(27, m, "cuda"))
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
+        sorter()
+        assert isinstance(sorter(), rank_sort.CapturedSort)
         _assert_schedule_backends_agree(_random_map(27, 8700, "cuda"))
     torch.cuda.synchronize()
     graph, touched = torch.cuda.CUDAGraph(), torch.zeros(1, device="cuda")
-    with torch.cuda.graph(graph):  # no nested capture: torch.sort inside the caller's graph
-        assert isinstance(rank_sort.rank_sorter(9000, 1, torch.int32, torch.device("cuda", 0)),
-                          rank_sort.TorchSort)
+    with torch.cuda.graph(graph):
+        assert isinstance(sorter(), rank_sort.TorchSort)
         touched.add_(1)  # (a graph with work in it)
+    monkeypatch.setattr(rank_sort, "KEYS_BUDGET", 3 * 10240)
+    assert all(isinstance(sorter(20000), rank_sort.TorchSort) for _ in range(3))  # 20480 more keys
     rank_sort.release()

@@ -7,13 +7,17 @@ launch. Graphs sort a fixed number of keys, so each serves a bucket of row count
 padded to the bucket with the largest word (gray_rank_kernel writes the padding), which sorts
 after every rank; the sort is stable, so the real rows come first and in order.
 
-One captured sort per (device, stream, bucket, key dtype), the few most recent kept: it owns
-its key buffer and outputs, so builds that share it hold its lock from writing the keys until
-the last kernel that reads the sorted outputs is queued.
+One captured sort per (device, stream, bucket, key dtype), captured the second time a build
+asks for it (a capture costs about 1.5 ms) and kept until release(), within a budget of keys
+for all of them together (each key costs about 36 bytes with CUB's buffers): builds past the
+budget, like the first of each bucket, sort with torch.sort, so that a workload of many row
+counts never recaptures. A captured sort owns its key buffer and outputs: builds that share
+it hold its lock from writing the keys until the last kernel that reads the sorted outputs is
+queued. FLEXPLAN_SORT_GRAPHS=0 turns captures off.
 """
 from __future__ import annotations
 
-import collections
+import os
 import threading
 import warnings
 
@@ -21,18 +25,21 @@ import torch
 
 from .segments import sort_by_rank
 
+SORT_GRAPHS_ENV = "FLEXPLAN_SORT_GRAPHS"
 # Rows sorted through graphs: below, torch.sort is a single in-place kernel; above, the GPU's
-# sort time outweighs the host's and the buffers grow (about 30 bytes a key, CUB's included).
+# sort time outweighs the host's work and the buffers grow.
 MIN_ROWS, MAX_ROWS = 1 << 12, 1 << 20
-BUCKET_STEPS = 8  # buckets per power of two: keys padded by at most 1/8
-KEPT = 4
+BUCKET_STEPS = 4  # buckets per power of two: keys padded by at most 1/4
+KEYS_BUDGET = 1 << 21  # keys of all captured sorts together (about 75 MB)
 
-_sorts: collections.OrderedDict = collections.OrderedDict()
+_sorts: dict = {}  # key -> CapturedSort, or None where the capture failed
+_requests: dict = {}  # key -> builds that asked for it before its capture
+_held_keys = 0
 _sorts_lock = threading.Lock()
 
 
 def bucket(rows: int) -> int:
-    """The number of keys sorted for `rows` rows: rows rounded up to a multiple of 1/8 of the
+    """The number of keys sorted for `rows` rows: rows rounded up to a multiple of 1/4 of the
     power of two at or below it."""
     step = max(1, (1 << (rows.bit_length() - 1)) // BUCKET_STEPS)
     return -(-rows // step) * step
@@ -96,9 +103,10 @@ class CapturedSort:
 def rank_sorter(rows: int, words: int, dtype: torch.dtype,
                 device: torch.device) -> CapturedSort | TorchSort:
     """How to sort the ranks of `rows` rows in `words` words of `dtype`: the captured sort of
-    the current stream of `device` (captured on first use) for one word and MIN_ROWS to
-    MAX_ROWS rows, else (or inside the caller's own graph capture, or where a capture failed)
-    torch.sort. Its keys are where the ranks go, its size their padded length."""
+    their bucket on the current stream of `device`, for one word and MIN_ROWS to MAX_ROWS rows
+    (see the module's docstring for when it is captured), else torch.sort (also inside the
+    caller's own graph capture). Its keys are where the ranks go, its size their padded
+    length."""
     if words > 1 or not MIN_ROWS <= rows <= MAX_ROWS or device.type != "cuda" or (
             torch.cuda.is_current_stream_capturing()):  # (no nested capture)
         return TorchSort(rows, words, dtype, device)
@@ -107,24 +115,34 @@ def rank_sorter(rows: int, words: int, dtype: torch.dtype,
 
 
 def _captured_sort(size: int, dtype: torch.dtype, device: torch.device) -> CapturedSort | None:
+    global _held_keys
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), size, dtype)
+    found = _sorts.get(key)
+    if found is not None:
+        return found
     with _sorts_lock:
-        if key in _sorts:
-            _sorts.move_to_end(key)
-            return _sorts[key]
+        if key in _sorts or _held_keys + size > KEYS_BUDGET or (
+                os.environ.get(SORT_GRAPHS_ENV, "1") == "0"):
+            return _sorts.get(key)
+        if not _requests.pop(key, 0):  # the first request: remember it, sort with torch.sort
+            if len(_requests) >= 1024:  # (streams come and go)
+                _requests.clear()
+            _requests[key] = 1
+            return None
         try:
             found = CapturedSort(size, dtype, device)
+            _held_keys += size
         except RuntimeError as exc:  # keep building, with torch.sort
             warnings.warn(f"flexplan: capturing the planner's sort failed ({exc}); using "
                           f"torch.sort for {size} keys on this stream", RuntimeWarning)
-            found = None
         _sorts[key] = found
-        while len(_sorts) > KEPT:
-            _sorts.popitem(last=False)
         return found
 
 
 def release() -> None:
-    """Drop every captured sort (their graphs and buffers)."""
+    """Drop every captured sort (their graphs and buffers) and the requests counted."""
+    global _held_keys
     with _sorts_lock:
         _sorts.clear()
+        _requests.clear()
+        _held_keys = 0

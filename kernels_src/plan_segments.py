@@ -258,11 +258,12 @@ def schedule_offsets_kernel(sorted_ranks, order, sorted_idx, counts, scan, plan_
                    FLAGS, LEVELS, PAIR_TILE, LOOK_BACK)
 
 
-@triton.jit
-def pairs_kernel(nmap, scan, in_rows, out_rows, seg, n, V: tl.constexpr,
+@triton.jit(do_not_specialize=["room"])
+def pairs_kernel(nmap, scan, pair_rows, room, seg, n, V: tl.constexpr,
                  SIGNAL: tl.constexpr, BLOCK: tl.constexpr, V_CHUNK: tl.constexpr):
     """valid_signal: the pairs (nmap[i, v], i) of this program's rows i, per offset v < SIGNAL,
-    rows ascending, at position scan[its entry - 1]. Program 0 also writes seg [SIGNAL + 1].
+    rows ascending, at position scan[its entry - 1] of the input rows (pair_rows) and of the
+    output rows (pair_rows + room). Program 0 also writes seg [SIGNAL + 1].
     (A static loop over the offsets: a runtime one gets software-pipelined, which made the
     kernel 1.5x slower.) Grid: the row blocks of gray_rank. A [BLOCK, V_CHUNK] tile of the map
     at a time: one load of whole map rows and one scan down the rows for V_CHUNK offsets
@@ -271,6 +272,7 @@ def pairs_kernel(nmap, scan, in_rows, out_rows, seg, n, V: tl.constexpr,
     programs = tl.num_programs(0)
     rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = rows < n
+    in_rows, out_rows = pair_rows, pair_rows + room
     for v0 in tl.static_range(0, SIGNAL, V_CHUNK):
         v = v0 + tl.arange(0, V_CHUNK)
         v_ok = v < SIGNAL

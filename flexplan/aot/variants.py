@@ -229,7 +229,8 @@ def segment_variants() -> Iterator[Variant]:
                 tiles=2), dict(level_constexprs, V=v, FLAGS=num_flags, **seg.SCHEDULE_LAUNCH))
         # submanifold plans, strided ones
         for offsets, scan in itertools.product((mirrored_signal_offsets(v), v), (i32, i64)):
-            yield make_variant("pairs", dict(nmap=i32, scan=scan, in_rows=i32, out_rows=i32, seg=i32, n=m),
+            yield make_variant("pairs", dict(nmap=i32, scan=scan, pair_rows=i32, room=m, seg=i32,
+                                             n=m),
                                dict(V=v, SIGNAL=offsets, **seg.PAIRS_LAUNCH,
                                     V_CHUNK=seg.pairs_v_chunk(offsets)))
     for m in REP_ROWS:

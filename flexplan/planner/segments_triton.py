@@ -164,18 +164,20 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     # Scratch is dropped once the last launch that reads it is queued (the allocator reuses it
     # in stream order): before the host sync, its frees overlap the GPU's work.
     del ranks, sorted_ranks, order, counts
+    if signal_offsets:  # (made before the sync: after it, the pairs' launch waits on the host)
+        seg = plan_out[layout.signal_seg_at:layout.signal_seg_at + signal_offsets + 1]
     values = readback[:num_flags + levels + 1].tolist()  # the one host sync
     flag_values = values[:num_flags] if num_flags else None
     lengths, pairs_total = values[num_flags:-1], values[-1]
 
     pairs = None
     if signal_offsets:  # launched first: the Python below then runs while the GPU writes pairs
-        in_rows = torch.empty(pairs_total, dtype=torch.int32, device=device)
-        out_rows = torch.empty(pairs_total, dtype=torch.int32, device=device)
-        seg = plan_out[layout.signal_seg_at:layout.signal_seg_at + signal_offsets + 1]
-        launch(kernels.pairs_kernel, (row_blocks,), nmap, scan, in_rows, out_rows, seg, m, V=v,
+        # Input rows, then output rows from `room` on (16-byte aligned): one allocation.
+        room = _aligned(pairs_total)
+        pair_rows = torch.empty(2 * room, dtype=torch.int32, device=device)
+        launch(kernels.pairs_kernel, (row_blocks,), nmap, scan, pair_rows, room, seg, m, V=v,
                SIGNAL=signal_offsets, **PAIRS_LAUNCH, V_CHUNK=pairs_v_chunk(signal_offsets))
-        pairs = (in_rows, out_rows, seg)
+        pairs = (pair_rows[:pairs_total], pair_rows[room:room + pairs_total], seg)
     gmap = None
     if levels:
         gmap = GatherMap(nmap, sorted_idx, BlockRuns(plan_out, {

@@ -29,7 +29,7 @@ def gray_rank_kernel(nmap, ranks, counts, n, signal_offsets, padded, V: tl.const
     """ranks[w, i] = word w of row i's inverse-Gray-code rank (offset V-1 most significant), and
     the pair count of each offset v < signal_offsets in this program's rows. One word: ranks
     [n, padded) (padded <= 2n) get the largest word, which sorts after every rank (a sort
-    of a fixed size, flexplan/planner/sort_graph.py). Grid: the row blocks."""
+    of a fixed size, flexplan/planner/rank_sort.py). Grid: the row blocks."""
     MASK_BITS: tl.constexpr = WORD_BITS - 1
     ALL_ONES: tl.constexpr = (1 << MASK_BITS) - 1
     DT: tl.constexpr = ranks.dtype.element_ty

@@ -8,7 +8,7 @@ padded to the bucket with the largest word (gray_rank_kernel writes the padding)
 after every rank; the sort is stable, so the real rows come first and in order.
 
 One captured sort per (device, stream, bucket, key dtype), captured the second time a build
-asks for it (a capture costs about 1.5 ms) and kept until release(), within a budget of keys
+asks for it (a capture costs 1.5-2 ms) and kept until release(), within a budget of keys
 for all of them together (each key costs about 36 bytes with CUB's buffers): builds past the
 budget, like the first of each bucket, sort with torch.sort, so that a workload of many row
 counts never recaptures. A captured sort owns its key buffer and outputs: builds that share
@@ -33,7 +33,7 @@ BUCKET_STEPS = 4  # buckets per power of two: keys padded by at most 1/4
 KEYS_BUDGET = 1 << 21  # keys of all captured sorts together (about 75 MB)
 
 _sorts: dict = {}  # key -> CapturedSort, or None where the capture failed
-_requests: dict = {}  # key -> builds that asked for it before its capture
+_requested: set = set()  # keys asked for once, not captured yet
 _held_keys = 0
 _sorts_lock = threading.Lock()
 
@@ -78,7 +78,7 @@ class CapturedSort:
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            torch.sort(self.keys, stable=True)  # first-use work (CUB, allocator) stays out of the graph
+            torch.sort(self.keys, stable=True)  # first-use work (CUB, allocator): not captured
             # thread_local: other threads' CUDA calls during the capture do not break it
             self.graph.capture_begin(capture_error_mode="thread_local")
             try:
@@ -124,11 +124,12 @@ def _captured_sort(size: int, dtype: torch.dtype, device: torch.device) -> Captu
         if key in _sorts or _held_keys + size > KEYS_BUDGET or (
                 os.environ.get(SORT_GRAPHS_ENV, "1") == "0"):
             return _sorts.get(key)
-        if not _requests.pop(key, 0):  # the first request: remember it, sort with torch.sort
-            if len(_requests) >= 1024:  # (streams come and go)
-                _requests.clear()
-            _requests[key] = 1
+        if key not in _requested:  # the first request: remember it, sort with torch.sort
+            if len(_requested) >= 1024:  # (streams come and go)
+                _requested.clear()
+            _requested.add(key)
             return None
+        _requested.discard(key)
         try:
             found = CapturedSort(size, dtype, device)
             _held_keys += size
@@ -144,5 +145,5 @@ def release() -> None:
     global _held_keys
     with _sorts_lock:
         _sorts.clear()
-        _requests.clear()
+        _requested.clear()
         _held_keys = 0

@@ -138,7 +138,8 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     levels, row_blocks, entries = layout.levels, layout.row_blocks, layout.entries
     counts = torch.empty(max(1, entries), dtype=torch.int32, device=device)
     word_bits, word_dtype, words = rank_words(v)
-    sorter = (rank_sorter if levels else TorchSort)(m, words, word_dtype, device)  # (or no sort)
+    # (without block sizes nothing is sorted: the ranks are only computed with the pair counts)
+    sorter = (rank_sorter if levels else TorchSort)(m, words, word_dtype, device)
     with sorter:  # a captured sort's keys and outputs are ours until the schedule is queued
         ranks = sorter.keys
         launch(kernels.gray_rank_kernel, (row_blocks,), nmap, ranks, counts, m, signal_offsets,

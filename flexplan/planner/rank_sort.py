@@ -34,7 +34,6 @@ KEYS_BUDGET = 1 << 21  # keys of all captured sorts together (about 75 MB)
 
 _sorts: dict = {}  # key -> CapturedSort, or None where the capture failed
 _requested: set = set()  # keys asked for once, not captured yet
-_held_keys = 0
 _sorts_lock = threading.Lock()
 
 
@@ -115,13 +114,13 @@ def rank_sorter(rows: int, words: int, dtype: torch.dtype,
 
 
 def _captured_sort(size: int, dtype: torch.dtype, device: torch.device) -> CapturedSort | None:
-    global _held_keys
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), size, dtype)
     found = _sorts.get(key)
     if found is not None:
         return found
     with _sorts_lock:
-        if key in _sorts or _held_keys + size > KEYS_BUDGET or (
+        held = sum(kept.size for kept in _sorts.values() if kept is not None)
+        if key in _sorts or held + size > KEYS_BUDGET or (
                 os.environ.get(SORT_GRAPHS_ENV, "1") == "0"):
             return _sorts.get(key)
         if key not in _requested:  # the first request: remember it, sort with torch.sort
@@ -132,7 +131,6 @@ def _captured_sort(size: int, dtype: torch.dtype, device: torch.device) -> Captu
         _requested.discard(key)
         try:
             found = CapturedSort(size, dtype, device)
-            _held_keys += size
         except RuntimeError as exc:  # keep building, with torch.sort
             warnings.warn(f"flexplan: capturing the planner's sort failed ({exc}); using "
                           f"torch.sort for {size} keys on this stream", RuntimeWarning)
@@ -142,8 +140,6 @@ def _captured_sort(size: int, dtype: torch.dtype, device: torch.device) -> Captu
 
 def release() -> None:
     """Drop every captured sort (their graphs and buffers) and the requests counted."""
-    global _held_keys
     with _sorts_lock:
         _sorts.clear()
         _requested.clear()
-        _held_keys = 0

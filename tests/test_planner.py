@@ -362,7 +362,8 @@ def test_duplicates_rejected_on_gpu():
 def test_captured_rank_sort_gpu(monkeypatch):
     """Small schedules sort through a graph captured at a bucket's second request: two row
     counts of one bucket in turn (the second must not read the first one's keys past its
-    rows), on two streams; none past the budget of keys, none inside the caller's capture."""
+    rows), on two streams; none past the budget of keys, none inside the caller's capture, none
+    with FLEXPLAN_SORT_GRAPHS=0."""
     def sorter(rows=9000):
         return rank_sort.rank_sorter(rows, 1, torch.int32, torch.device("cuda", 0))
 
@@ -383,4 +384,6 @@ def test_captured_rank_sort_gpu(monkeypatch):
         touched.add_(1)  # (a graph with work in it)
     monkeypatch.setattr(rank_sort, "KEYS_BUDGET", 3 * 10240)
     assert all(isinstance(sorter(20000), rank_sort.TorchSort) for _ in range(3))  # 20480 more keys
+    monkeypatch.setenv(rank_sort.SORT_GRAPHS_ENV, "0")
+    assert all(isinstance(sorter(5000), rank_sort.TorchSort) for _ in range(3))  # (5120 keys)
     rank_sort.release()

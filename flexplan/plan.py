@@ -34,20 +34,34 @@ def mirrored_signal_offsets(volume: int) -> int:
 class BlockRuns(Mapping):
     """Read-only block size -> tensor mapping whose tensors are runs of one buffer, each viewed
     on first use: a plan holds every block size, a layer reads one, and a view costs
-    microseconds of host time (the Triton build is host-bound at small sizes)."""
+    microseconds of host time (the Triton build is host-bound at small sizes).
+
+    A run's length may be left to the device: (start, room, length_at) says the run lies within
+    buffer[start:start + room] and its length is buffer[length_at], read (a host sync) only
+    when the exact run is viewed. Kernels that find the run's end elsewhere (valid_kernel:
+    through its seg) take `region`, which never syncs; a plan build then needs no sync to learn
+    the lengths."""
 
     __slots__ = ("_buffer", "_runs", "_views")
 
-    def __init__(self, buffer: torch.Tensor, runs: Mapping[int, tuple[int, int]]):
-        """runs: block size -> (start, length) in buffer."""
+    def __init__(self, buffer: torch.Tensor, runs: Mapping[int, tuple[int, ...]]):
+        """runs: block size -> (start, length), or (start, room, length_at)."""
         self._buffer, self._runs, self._views = buffer, dict(runs), {}
 
     def __getitem__(self, block: int) -> torch.Tensor:
         view = self._views.get(block)
         if view is None:
-            start, length = self._runs[block]
+            run = self._runs[block]
+            start, length = run[0], run[1] if len(run) == 2 else int(self._buffer[run[2]])
             view = self._views[block] = self._buffer[start:start + length]
         return view
+
+    def region(self, block: int) -> torch.Tensor:
+        """The run, or for a run of unread length the room that holds it (no host sync)."""
+        run = self._runs[block]
+        if len(run) == 2 or block in self._views:
+            return self[block]
+        return self._buffer[run[0]:run[0] + run[1]]
 
     def __iter__(self):
         return iter(self._runs)
@@ -115,6 +129,12 @@ class GatherMap:
         if m % SCHEDULE_CHUNK:
             order = torch.cat([order, order.new_full((1,), full)])
         return order
+
+    def kernel_offsets(self, block: int) -> torch.Tensor:
+        """valid_kernel[block] for a kernel that reads it through valid_kernel_seg: possibly
+        with room past its end, never a host sync (see BlockRuns.region)."""
+        runs = self.valid_kernel
+        return runs.region(block) if isinstance(runs, BlockRuns) else runs[block]
 
     @property
     def block_sizes(self) -> tuple[int, ...]:

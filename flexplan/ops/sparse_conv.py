@@ -86,7 +86,7 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
         block_m = _block_for(gmap, cfg.block_m)
         if block_m != cfg.block_m:  # (dataclasses.replace costs microseconds per call)
             cfg = replace(cfg, block_m=block_m)
-        valid_kernel = gmap.valid_kernel[cfg.block_m]
+        valid_kernel = gmap.kernel_offsets(cfg.block_m)
         valid_kernel_seg = gmap.valid_kernel_seg[cfg.block_m]
     else:
         valid_kernel = valid_kernel_seg = gmap.sorted_idx  # unused by the kernel

@@ -9,7 +9,8 @@ from ..geometry import ConvGeometry, triple
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..plan import ConvPlan, mirrored_signal_offsets
 from ..sparse_tensor import check_coords, check_coords_layout, raise_coords_problems
-from .generative import generative_plan
+from .generative import generative_plan, output_spatial_shape
+from .generative_triton import generative_plan_triton
 from .hashmap import PROBLEM_SLOTS, problem_rows, submanifold_neighbor_map_triton
 from .reference import submanifold_neighbor_map_torch
 from .segments import plan_schedule
@@ -36,8 +37,10 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
     if not geometry.submanifold:
         if check:
             check_coords(coords, shape, batch_size)
-        # Candidate enumeration + unique: torch ops, fast on any device, for every backend.
-        return generative_plan(coords, shape, batch_size, geometry)
+        if backend == "torch" or coords.shape[0] == 0:
+            return generative_plan(coords, shape, batch_size, geometry)
+        return generative_plan_triton(coords, shape, output_spatial_shape(shape, geometry),
+                                      batch_size, geometry)
     signal_offsets = mirrored_signal_offsets(geometry.volume)
     if backend == "torch":
         if check:

@@ -122,10 +122,13 @@ def schedule_layout(m: int, v: int, block_sizes: tuple[int, ...], signal_offsets
 
 def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],
                          signal_offsets: int, readback: torch.Tensor | None = None,
-                         num_flags: int = 0, layout: ScheduleLayout | None = None):
+                         num_flags: int = 0, layout: ScheduleLayout | None = None,
+                         pairs_total: int | None = None):
     """segments.plan_schedule: (GatherMap or None without block sizes, the valid_signal triple of
     the offsets v < signal_offsets or None for 0, the flags as ints or None). layout: the
-    map's schedule_layout, when the caller made it already."""
+    map's schedule_layout, when the caller made it already. pairs_total: the number of pairs,
+    when the caller knows it (and passes no flags): then no host sync at all, the valid_kernel
+    lengths stay on the device until a run is viewed (BlockRuns)."""
     m, v = neighbor_map.shape
     if m == 0:  # nothing to launch
         return (gather_map(neighbor_map, block_sizes, "torch") if block_sizes else None,
@@ -167,9 +170,12 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     del ranks, sorted_ranks, order, counts
     if signal_offsets:  # (made before the sync: after it, the pairs' launch waits on the host)
         seg = plan_out[layout.signal_seg_at:layout.signal_seg_at + signal_offsets + 1]
-    values = readback[:num_flags + levels + 1].tolist()  # the one host sync
-    flag_values = values[:num_flags] if num_flags else None
-    lengths, pairs_total = values[num_flags:-1], values[-1]
+    if pairs_total is None or num_flags:
+        values = readback[:num_flags + levels + 1].tolist()  # the one host sync
+        flag_values = values[:num_flags] if num_flags else None
+        lengths, pairs_total = values[num_flags:-1], values[-1]
+    else:
+        flag_values, lengths = None, None
 
     pairs = None
     if signal_offsets:  # launched first: the Python below then runs while the GPU writes pairs
@@ -181,8 +187,14 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         pairs = (pair_rows[:pairs_total], pair_rows[room:room + pairs_total], seg)
     gmap = None
     if levels:
-        gmap = GatherMap(nmap, sorted_idx, BlockRuns(plan_out, {
-            block: (start, length)
-            for block, start, length in zip(layout.seg_runs, layout.kernel_starts, lengths)}),
-            BlockRuns(plan_out, layout.seg_runs))
+        if lengths is not None:
+            runs = {block: (start, length) for block, start, length
+                    in zip(layout.seg_runs, layout.kernel_starts, lengths)}
+        else:  # each run's room ends where the next begins; its length is its seg's last entry
+            ends = (*layout.kernel_starts[1:], layout.segs_at)
+            runs = {block: (start, end - start, seg_at + seg_count - 1)
+                    for (block, (seg_at, seg_count)), start, end
+                    in zip(layout.seg_runs.items(), layout.kernel_starts, ends)}
+        gmap = GatherMap(nmap, sorted_idx, BlockRuns(plan_out, runs),
+                         BlockRuns(plan_out, layout.seg_runs))
     return gmap, pairs, flag_values

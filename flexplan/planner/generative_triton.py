@@ -1,0 +1,106 @@
+"""Triton path of generative.py: the plan of a strided or transposed convolution with one sort of
+the candidates and one host sync (kernels: kernels_src/plan_generative.py).
+
+    candidates   (input row, tap) -> output key, T slots per row       one launch
+    sort         by key (torch.sort; equal keys: one output row)        CUB
+    run starts   + the number of candidates                             one launch
+    scan         output row of each candidate (inclusive cumsum)        one op
+    bwd map      input rows gather output rows                          one launch
+    bwd schedule (segments_triton) whose one sync also reads the output
+                 and candidate counts
+    fwd map, out coords                                                 one launch
+    fwd schedule (segments_triton, no sync of its own: the pair count is known)
+
+Same plans as generative.generative_plan (the test oracle): outputs in ascending key order,
+pairs grouped by tap.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..geometry import ConvGeometry
+from ..kernel_configs import PLAN_BLOCK_SIZES
+from ..kernels_src import plan_generative as kernels
+from ..launcher import cdiv, launch
+from ..plan import MISSING, ConvPlan
+from .keys import key_dtype
+from .segments_triton import plan_schedule_triton, schedule_layout
+
+CANDIDATES_LAUNCH = dict(BLOCK=64, num_warps=2)
+ENTRIES_LAUNCH = dict(BLOCK=1024, num_warps=4)
+# The sort's sentinel per key dtype: above every packed key (key_dtype keeps int32 keys below it).
+SENTINEL = {torch.int32: 2**31 - 1, torch.int64: 2**63 - 1}
+# The counts read in the bwd schedule's sync: output rows, candidates.
+TOTALS = 2
+
+
+@functools.lru_cache(maxsize=256)
+def candidate_slots(geometry: ConvGeometry) -> int:
+    """T: the most taps one input row can have. Transposed: every tap (all land on the grid's
+    lattice). Strided: tap k of an axis reaches an output only when k d = c + p (mod s), so a
+    row has at most the largest number of taps sharing one residue of k d mod s per axis
+    (3x3x3 with stride 2: 8 of 27)."""
+    if geometry.transposed:
+        return geometry.volume
+    slots = 1
+    for k, s, d in zip(geometry.kernel_size, geometry.stride, geometry.dilation):
+        per_residue = [0] * s
+        for tap in range(k):
+            per_residue[tap * d % s] += 1
+        slots *= max(per_residue)
+    return slots
+
+
+def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
+                           out_shape: tuple[int, int, int], batch_size: int,
+                           geometry: ConvGeometry) -> ConvPlan:
+    """The plan of generative.generative_plan on a GPU (coords already checked)."""
+    device = coords.device
+    coords = coords.contiguous()
+    n, v = coords.shape[0], geometry.volume
+    slots = candidate_slots(geometry)
+    kdtype = key_dtype(out_shape, batch_size)
+    sent = SENTINEL[kdtype]
+    total = n * slots
+    keys = torch.empty(total, dtype=kdtype, device=device)
+    taps = torch.empty(total, dtype=torch.int32, device=device)
+    (kx, ky, kz), (sx, sy, sz) = geometry.kernel_size, geometry.stride
+    (px, py, pz), (dx, dy, dz) = geometry.padding, geometry.dilation
+    launch(kernels.generative_candidates_kernel, (cdiv(n, CANDIDATES_LAUNCH["BLOCK"]),), coords,
+           keys, taps, n, *out_shape, KX=kx, KY=ky, KZ=kz, SX=sx, SY=sy, SZ=sz, PX=px, PY=py,
+           PZ=pz, DX=dx, DY=dy, DZ=dz, T=slots, TRANSPOSED=geometry.transposed, SENT=sent,
+           **CANDIDATES_LAUNCH)
+    sorted_keys, order = torch.sort(keys)
+    del keys
+    # The bwd schedule's readback, with the two totals in front (its sync reads them all).
+    layout = schedule_layout(n, v, PLAN_BLOCK_SIZES, 0)
+    readback = torch.full((TOTALS + layout.readback_slots,), -1, dtype=torch.int64, device=device)
+    starts = torch.empty(total, dtype=torch.int32, device=device)
+    entries_grid = (cdiv(total, ENTRIES_LAUNCH["BLOCK"]),)
+    launch(kernels.run_starts_kernel, entries_grid, sorted_keys, starts, readback, total,
+           SENT=sent, **ENTRIES_LAUNCH)
+    rank = torch.cumsum(starts, 0, dtype=torch.int32)
+    del starts
+    readback[:1].copy_(rank[-1:])  # output rows: the last inclusive count
+    bwd = torch.full((n, v), MISSING, dtype=torch.int32, device=device)
+    scatter = (sorted_keys, order, rank, taps)
+    launch(kernels.generative_scatter_kernel, entries_grid, *scatter, bwd, bwd, coords, total, n,
+           *out_shape, T=slots, V=v, SENT=sent, WRITE_BWD=True, WRITE_FWD=False, **ENTRIES_LAUNCH)
+    bwd_map, _, (n_out, pairs) = plan_schedule_triton(bwd, PLAN_BLOCK_SIZES, 0, readback,
+                                                      TOTALS, layout)
+    pairs = max(pairs, 0)  # -1: no candidate at all
+    fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=device)
+    out_coords = torch.empty((n_out, 4), dtype=torch.int32, device=device)
+    if pairs:
+        launch(kernels.generative_scatter_kernel, entries_grid, *scatter, bwd, fwd, out_coords,
+               total, n, *out_shape, T=slots, V=v, SENT=sent, WRITE_BWD=False, WRITE_FWD=True,
+               **ENTRIES_LAUNCH)
+    del scatter, sorted_keys, order, rank, taps
+    fwd_map, (sig_i, sig_o, sig_seg), _ = plan_schedule_triton(fwd, PLAN_BLOCK_SIZES, v,
+                                                               pairs_total=pairs)
+    return ConvPlan(
+        geometry=geometry, batch_size=batch_size, in_spatial_shape=tuple(spatial_shape),
+        out_spatial_shape=out_shape, num_in=n, num_out=n_out, out_coords=out_coords, fwd=fwd_map,
+        bwd=bwd_map, valid_signal_i=sig_i, valid_signal_o=sig_o, valid_signal_seg=sig_seg)

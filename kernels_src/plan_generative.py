@@ -1,0 +1,117 @@
+"""Plans of strided and transposed convolutions on the GPU (flexplan/planner/generative_triton.py
+drives these; the rules and the torch oracle: flexplan/planner/generative.py).
+
+Every (input row i, tap v) whose output falls on the output grid is a candidate; a row has at
+most T of them (T: the taps of one stride residue, see generative_triton.candidate_slots), so
+candidates go to T slots per row, unused slots get the key SENT that sorts after every key.
+Sorted by output key, the first candidate of each run of equal keys starts an output row and
+the inclusive scan of those starts numbers the output rows in ascending key order: the plan's
+outputs, with no hash table and no unique().
+"""
+import triton
+import triton.language as tl
+
+MISSING = tl.constexpr(-1)
+
+
+@triton.jit
+def _output_axis(c, S: tl.constexpr, P: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
+                 size, TRANSPOSED: tl.constexpr):
+    """(output coordinate, in range) of input coordinate c through tap k of one axis:
+    strided o = (c + p - k d) / s where that divides; transposed o = c s - p + k d."""
+    if TRANSPOSED:
+        o = c * S - P + K * D
+        ok = (o >= 0) & (o < size)
+    else:
+        num = c + P - K * D
+        o = num // S
+        ok = (num >= 0) & (num % S == 0) & (o < size)
+    return o, ok
+
+
+# The row count varies from call to call: specializing on it would only multiply binaries.
+@triton.jit(do_not_specialize=["n"])
+def generative_candidates_kernel(coords, keys, taps, n, size_x, size_y, size_z,
+                                 KX: tl.constexpr, KY: tl.constexpr, KZ: tl.constexpr,
+                                 SX: tl.constexpr, SY: tl.constexpr, SZ: tl.constexpr,
+                                 PX: tl.constexpr, PY: tl.constexpr, PZ: tl.constexpr,
+                                 DX: tl.constexpr, DY: tl.constexpr, DZ: tl.constexpr,
+                                 T: tl.constexpr, TRANSPOSED: tl.constexpr, SENT: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+    """keys[i * T + j], taps[i * T + j]: the output key and tap of row i's j-th candidate (taps
+    ascending), SENT in the slots past its last. Keys pack (b, x, y, z) row-major over the
+    output grid (planner/keys.py), in keys' dtype. Grid: blocks of BLOCK rows."""
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < n
+    b = tl.load(coords + rows * 4, mask=live, other=0)
+    x = tl.load(coords + rows * 4 + 1, mask=live, other=0)
+    y = tl.load(coords + rows * 4 + 2, mask=live, other=0)
+    z = tl.load(coords + rows * 4 + 3, mask=live, other=0)
+    KT: tl.constexpr = keys.dtype.element_ty
+    count = tl.zeros([BLOCK], tl.int32)
+    for kx in tl.static_range(KX):
+        ox, okx = _output_axis(x, SX, PX, kx, DX, size_x, TRANSPOSED)
+        for ky in tl.static_range(KY):
+            oy, oky = _output_axis(y, SY, PY, ky, DY, size_y, TRANSPOSED)
+            for kz in tl.static_range(KZ):
+                oz, okz = _output_axis(z, SZ, PZ, kz, DZ, size_z, TRANSPOSED)
+                ok = live & okx & oky & okz
+                key = ((b.to(tl.int64) * size_x + ox) * size_y + oy) * size_z + oz
+                slot = rows * T + count
+                tl.store(keys + slot, key.to(KT), mask=ok)
+                tl.store(taps + slot, tl.full([BLOCK], (kx * KY + ky) * KZ + kz, tl.int32), mask=ok)
+                count += ok.to(tl.int32)
+    for j in tl.static_range(T):
+        tl.store(keys + rows * T + j, tl.full([BLOCK], SENT, KT), mask=live & (j >= count))
+
+
+@triton.jit(do_not_specialize=["total"])
+def run_starts_kernel(sorted_keys, starts, totals, total, SENT: tl.constexpr, BLOCK: tl.constexpr):
+    """starts[j] = 1 where sorted candidate j starts a run of equal keys (an output row), else
+    0; totals[1] = the number of candidates (entries before the first SENT), left as it was
+    when there are none. Grid: blocks of BLOCK entries."""
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = j < total
+    key = tl.load(sorted_keys + j, mask=live, other=SENT)
+    prev = tl.load(sorted_keys + j - 1, mask=live & (j > 0), other=SENT)
+    nxt = tl.load(sorted_keys + j + 1, mask=j + 1 < total, other=SENT)
+    real = key != SENT
+    tl.store(starts + j, (real & ((j == 0) | (key != prev))).to(tl.int32), mask=live)
+    last = real & (nxt == SENT)  # at most one entry: the last real candidate
+    tl.store(totals + 1 + j * 0, j + 1, mask=live & last)
+
+
+@triton.jit(do_not_specialize=["total", "n_in"])
+def generative_scatter_kernel(sorted_keys, order, rank, taps, bwd, fwd, out_coords, total, n_in,
+                              size_x, size_y, size_z, T: tl.constexpr, V: tl.constexpr,
+                              SENT: tl.constexpr, WRITE_BWD: tl.constexpr,
+                              WRITE_FWD: tl.constexpr, BLOCK: tl.constexpr):
+    """For each real sorted candidate j (input row order[j] // T, tap taps[order[j]], output
+    row rank[j] - 1): WRITE_BWD: bwd[in, tap] = out; WRITE_FWD: fwd[out, tap] = in, and the
+    run starts write out_coords[out] = the key unpacked. Maps start filled with MISSING."""
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = j < total
+    key = tl.load(sorted_keys + j, mask=live, other=SENT)
+    real = live & (key != SENT)
+    slot = tl.load(order + j, mask=real, other=0).to(tl.int64)
+    row = slot // T
+    tap = tl.load(taps + slot, mask=real, other=0).to(tl.int64)
+    out = tl.load(rank + j, mask=real, other=1).to(tl.int64) - 1
+    if WRITE_BWD:
+        tl.store(bwd + row * V + tap, out.to(tl.int32), mask=real)
+    if WRITE_FWD:
+        tl.store(fwd + out * V + tap, row.to(tl.int32), mask=real)
+        prev = tl.load(sorted_keys + j - 1, mask=real & (j > 0), other=SENT)
+        start = real & ((j == 0) | (key != prev))
+        k = key.to(tl.int64)
+        oz = k % size_z
+        k = k // size_z
+        oy = k % size_y
+        k = k // size_y
+        ox = k % size_x
+        ob = k // size_x
+        tl.store(out_coords + out * 4, ob.to(tl.int32), mask=start)
+        tl.store(out_coords + out * 4 + 1, ox.to(tl.int32), mask=start)
+        tl.store(out_coords + out * 4 + 2, oy.to(tl.int32), mask=start)
+        tl.store(out_coords + out * 4 + 3, oz.to(tl.int32), mask=start)

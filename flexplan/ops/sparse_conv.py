@@ -252,7 +252,9 @@ def _check(feats, plan, weight, bias, algo):
         raise ValueError(f"feats has {feats.shape[0]} rows but the plan expects "
                          f"{plan.num_in} input voxels")
     if weight.dtype != feats.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} differs from feats dtype {feats.dtype}")
+        raise TypeError(f"weight dtype {weight.dtype} differs from feats dtype {feats.dtype}: "
+                        "cast the model or the features (e.g. model.half()), or run under "
+                        "torch.autocast, which casts both")
     if feats.device != plan.device:
         raise ValueError(f"feats is on {feats.device} but the plan is on {plan.device}; "
                          "move the plan with plan.to(device)")
@@ -266,6 +268,19 @@ def _check(feats, plan, weight, bias, algo):
                             f"({feats.dtype}, {feats.device})")
 
 
+def _autocast_dtype(feats) -> torch.dtype | None:
+    """The dtype torch.autocast asks of convolutions on feats' device, or None (not enabled,
+    or not a floating dtype this op runs in: float64 inputs stay float64, as under torch's
+    own autocast, which leaves float64 alone)."""
+    if not isinstance(feats, torch.Tensor):
+        return None
+    device_type = feats.device.type
+    if not torch.is_autocast_enabled(device_type) or feats.dtype == torch.float64:
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
+
+
 def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
                 bias: torch.Tensor | None = None, algo: str = AUTO,
                 allow_tf32: bool = False) -> torch.Tensor:
@@ -275,9 +290,20 @@ def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
     algo: "auto" or one of ALGORITHMS. allow_tf32: float32 matmuls on TF32 tensor cores
     (the Triton algorithms; "explicit" follows torch.backends.cuda.matmul).
     Accumulates in fp32 (fp64 for float64 inputs).
+
+    Under torch.autocast (fp16 or bf16) the op runs like torch's convolutions: feats, weight
+    and bias are cast to the autocast dtype (differentiably: an fp32 master weight gets an fp32
+    gradient) and the output is in that dtype. Outside autocast, dtypes must match.
     """
+    cast = _autocast_dtype(feats)
+    if cast is not None:
+        feats, weight = feats.to(cast), weight.to(cast)
+        bias = bias.to(cast) if bias is not None else None
     _check(feats, plan, weight, bias, algo)
     co, ci = weight.shape[0], weight.shape[4]
     w = weight.reshape(co, -1, ci).contiguous()
     b = bias.contiguous() if bias is not None else None
+    if cast is not None:  # the kernels' own torch ops (sums, explicit GEMMs) as cast above
+        with torch.autocast(feats.device.type, enabled=False):
+            return SparseConvFunction.apply(feats.contiguous(), w, b, plan, algo, bool(allow_tf32))
     return SparseConvFunction.apply(feats.contiguous(), w, b, plan, algo, bool(allow_tf32))

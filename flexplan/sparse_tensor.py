@@ -83,6 +83,10 @@ def merge_duplicate_coords(feats: torch.Tensor, coords: torch.Tensor,
     return merged, coords[first[order]]
 
 
+# The key in a tensor's plan dictionary under which the coordinates' identity is kept.
+IDENTITY = "coords_identity"
+
+
 class SparseTensor:
     """A batch of sparse 3D voxel features.
 
@@ -148,13 +152,28 @@ class SparseTensor:
         out._plans = self._plans
         return out
 
+    def coords_identity(self) -> bytes:
+        """16 bytes naming these coordinates for the plan cache: hashed once (one host sync),
+        or set by the layer that produced them (derived from its input's, no device work).
+        Kept with the plans, so every tensor sharing them shares it."""
+        identity = self._plans.get(IDENTITY)
+        if identity is None:
+            from .cache.key import coords_identity
+
+            identity = self._plans[IDENTITY] = coords_identity(self.coords)
+        return identity
+
     def get_plan(self, geometry):
         """The plan of `geometry` over these coords: built (or found in the plan cache) once."""
         plan = self._plans.get(geometry)
         if plan is None:
             from .cache import cached_plan
+            from .cache.key import plan_key
 
-            plan = cached_plan(self.coords, self.spatial_shape, self.batch_size, geometry, check=False)
+            key = plan_key(self.coords, self.spatial_shape, self.batch_size, geometry,
+                           self.coords_identity())
+            plan = cached_plan(self.coords, self.spatial_shape, self.batch_size, geometry,
+                               check=False, key=key)
             self._plans[geometry] = plan
         return plan
 

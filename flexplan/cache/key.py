@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+import weakref
 from dataclasses import asdict
 
 import torch
@@ -98,14 +99,45 @@ def coords_digest(coords: torch.Tensor, use_triton: bool | None = None) -> tuple
     return tuple(int(v) & ((1 << 64) - 1) for v in sums.tolist())  # one sync
 
 
-def plan_key(coords: torch.Tensor, spatial_shape, batch_size: int, geometry: ConvGeometry) -> str:
-    """32 hex digits naming the plan of `geometry` over `coords` (any device, same key)."""
+# Identities of coordinate tensors already hashed, by object: the same tensor (same storage
+# version) hashes once. A weak reference: a freed tensor's id may be reused by another.
+_identities: dict[int, tuple[weakref.ref, int, bytes]] = {}
+
+
+def coords_identity(coords: torch.Tensor) -> bytes:
+    """16 bytes naming the coordinate rows: the two digest lanes (one host sync), or nothing to
+    compute for a tensor hashed before and not modified since (its version counter)."""
+    ident = id(coords)
+    known = _identities.get(ident)
+    if known is not None and known[0]() is coords and known[1] == coords._version:
+        return known[2]
+    identity = b"".join(lane.to_bytes(8, "little") for lane in coords_digest(coords))
+    try:
+        ref = weakref.ref(coords, lambda _, ident=ident: _identities.pop(ident, None))
+    except TypeError:  # a tensor subclass without weak references: hash every time
+        return identity
+    _identities[ident] = (ref, coords._version, identity)
+    return identity
+
+
+def derived_identity(parent: bytes, spatial_shape, batch_size: int, geometry: ConvGeometry) -> bytes:
+    """The identity of the output coordinates of `geometry` over the coordinates named `parent`
+    (a strided or transposed conv's out_coords are a function of those four), with no device
+    work: flexplan's own outputs are never hashed."""
+    scalars = {"derived_from": parent.hex(), "spatial_shape": [int(s) for s in spatial_shape],
+               "batch_size": int(batch_size), "geometry": asdict(geometry)}
+    return hashlib.blake2b(json.dumps(scalars, sort_keys=True).encode(), digest_size=16).digest()
+
+
+def plan_key(coords: torch.Tensor, spatial_shape, batch_size: int, geometry: ConvGeometry,
+             identity: bytes | None = None) -> str:
+    """32 hex digits naming the plan of `geometry` over `coords` (any device, same key).
+    identity: coords_identity(coords) or a derived_identity, when the caller has it."""
     scalars = {
         "plan_version": PLAN_FORMAT_VERSION, "file_version": FILE_FORMAT_VERSION,
         "coords": [str(coords.dtype), list(coords.shape)], "batch_size": int(batch_size),
         "spatial_shape": [int(s) for s in spatial_shape], "geometry": asdict(geometry),
     }
     h = hashlib.blake2b(json.dumps(scalars, sort_keys=True).encode(), digest_size=16)
-    for lane in coords_digest(coords):
-        h.update(lane.to_bytes(8, "little"))
+    h.update(coords_identity(coords) if identity is None else identity)
     return h.hexdigest()

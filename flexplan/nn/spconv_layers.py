@@ -17,7 +17,9 @@ import torch
 
 from ..geometry import ConvGeometry, triple
 from ..kernel_configs import ALGORITHMS
+from ..cache.key import derived_identity
 from ..ops.sparse_conv import sparse_conv
+from ..sparse_tensor import IDENTITY
 from .sparse_conv_tensor import IndiceData, SparseConvTensor
 from .submconv import SubMConv3d as _SubMConv3d
 
@@ -132,7 +134,10 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
                                  f"indice_key {self.indice_key!r}")
             plan, plans, indice_dict = data.inverse_plan, data.in_plans, x.indice_dict
         else:
-            plan, plans = x.get_plan(self.geometry), {}
+            plan = x.get_plan(self.geometry)
+            # The output coords are named from the input's: never hashed.
+            plans = {IDENTITY: derived_identity(x.coords_identity(), x.spatial_shape,
+                                                x.batch_size, self.geometry)}
             indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
                 plan.out_coords, x.indices, x.spatial_shape, plan.out_spatial_shape,
                 is_subm=False, plan=plan, in_plans=x._plans))

@@ -1,0 +1,102 @@
+"""Plan keys without reading coordinates back: user coordinates are hashed once per tensor
+(not again for the same unmodified tensor), and the outputs of strided, transposed and inverse
+convolutions are named from their input's identity, never hashed."""
+from __future__ import annotations
+
+import torch
+
+import flexplan.nn.spconv as spconv
+from flexplan import ConvGeometry
+from flexplan.cache import key as key_module
+from flexplan.cache import plan_cache
+from flexplan.workloads import random_coords
+
+SHAPE = (9, 8, 7)
+
+
+def _count_digests(monkeypatch) -> list:
+    calls = []
+    real = key_module.coords_digest
+
+    def counting(coords, *args, **kwargs):
+        calls.append(coords.shape[0])
+        return real(coords, *args, **kwargs)
+
+    monkeypatch.setattr(key_module, "coords_digest", counting)
+    return calls
+
+
+def _net():
+    torch.manual_seed(0)
+    return spconv.SparseSequential(
+        spconv.SubMConv3d(2, 4, 3, indice_key="s1"),
+        spconv.SparseConv3d(4, 4, 3, 2, 1, indice_key="down"),
+        spconv.SubMConv3d(4, 4, 3, indice_key="s2"),
+        spconv.SparseConvTranspose3d(4, 4, 3, 2, 1),
+        spconv.SubMConv3d(4, 4, 3),
+    ).double()
+
+
+def _input(coords, seed=1):
+    feats = torch.randn(coords.shape[0], 2, generator=torch.Generator().manual_seed(seed),
+                        dtype=torch.float64)
+    return spconv.SparseConvTensor(feats, coords, SHAPE, 2)
+
+
+def test_only_user_coords_are_hashed(monkeypatch):
+    plan_cache.configure(mode="never")
+    try:
+        calls = _count_digests(monkeypatch)
+        coords = random_coords(120, SHAPE, 2, generator=torch.Generator().manual_seed(0))
+        net = _net()
+        out = net(_input(coords))
+        down = spconv.SparseSequential(spconv.SubMConv3d(2, 4, 3, indice_key="a"),
+                                       spconv.SparseConv3d(4, 4, 3, 2, 1, indice_key="b"),
+                                       spconv.SparseInverseConv3d(4, 4, 3, indice_key="b")).double()
+        back = down(_input(coords))
+        assert calls == [coords.shape[0]]  # one hash, for the user's tensor, reused by both nets
+        assert torch.equal(back.indices, coords)
+        # A modified tensor is hashed again, and plans follow the new coordinates.
+        coords[0, 1] = (coords[0, 1] + 1) % SHAPE[0]
+        if (coords[1:] == coords[0]).all(1).any():
+            coords[0, 1] = (coords[0, 1] + 1) % SHAPE[0]
+        out2 = net(_input(coords))
+        assert len(calls) == 2
+        assert out2.features.shape[0] == out2.indices.shape[0]
+        assert out.features.shape[1] == out2.features.shape[1]
+    finally:
+        plan_cache.configure(mode="auto")
+
+
+def test_derived_plans_equal_hashed_plans(monkeypatch):
+    """A plan found by a derived key is the plan of those coordinates: the same as the plan
+    of a fresh tensor with the same coordinates (hashed)."""
+    plan_cache.configure(mode="never")
+    try:
+        coords = random_coords(150, SHAPE, 2, generator=torch.Generator().manual_seed(4))
+        conv = spconv.SparseConv3d(2, 4, 3, 2, 1).double()
+        sub = spconv.SubMConv3d(4, 3, 3).double()
+        mid = conv(_input(coords))
+        derived = sub(mid)
+        fresh = sub(_input(mid.indices.clone(), seed=2).replace_feature(mid.features))
+        torch.testing.assert_close(derived.features, fresh.features, rtol=0, atol=0)
+        geom = ConvGeometry.submanifold_conv(3)
+        assert mid.coords_identity() != _input(mid.indices.clone()).coords_identity()
+        assert torch.equal(mid.get_plan(geom).fwd.neighbor_map,
+                           _input(mid.indices.clone()).get_plan(geom).fwd.neighbor_map)
+    finally:
+        plan_cache.configure(mode="auto")
+
+
+def test_derived_identity_depends_on_everything():
+    parent = bytes(range(16))
+    geom = ConvGeometry.make(3, stride=2, padding=1, submanifold=False)
+    base = key_module.derived_identity(parent, SHAPE, 2, geom)
+    assert len(base) == 16
+    others = [key_module.derived_identity(bytes(16), SHAPE, 2, geom),
+              key_module.derived_identity(parent, (9, 8, 8), 2, geom),
+              key_module.derived_identity(parent, SHAPE, 3, geom),
+              key_module.derived_identity(parent, SHAPE, 2, ConvGeometry.make(
+                  3, stride=2, padding=0, submanifold=False))]
+    assert len({base, *others}) == 5
+    assert key_module.derived_identity(parent, SHAPE, 2, geom) == base

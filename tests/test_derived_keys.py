@@ -26,7 +26,7 @@ def _count_digests(monkeypatch) -> list:
     return calls
 
 
-def _net():
+def _net(device):
     torch.manual_seed(0)
     return spconv.SparseSequential(
         spconv.SubMConv3d(2, 4, 3, indice_key="s1"),
@@ -34,25 +34,27 @@ def _net():
         spconv.SubMConv3d(4, 4, 3, indice_key="s2"),
         spconv.SparseConvTranspose3d(4, 4, 3, 2, 1),
         spconv.SubMConv3d(4, 4, 3),
-    ).double()
+    ).double().to(device)
 
 
 def _input(coords, seed=1):
     feats = torch.randn(coords.shape[0], 2, generator=torch.Generator().manual_seed(seed),
-                        dtype=torch.float64)
+                        dtype=torch.float64).to(coords.device)
     return spconv.SparseConvTensor(feats, coords, SHAPE, 2)
 
 
-def test_only_user_coords_are_hashed(monkeypatch):
+def test_only_user_coords_are_hashed(monkeypatch, device):
     plan_cache.configure(mode="never")
     try:
         calls = _count_digests(monkeypatch)
         coords = random_coords(120, SHAPE, 2, generator=torch.Generator().manual_seed(0))
-        net = _net()
+        coords = coords.to(device)
+        net = _net(device)
         out = net(_input(coords))
         down = spconv.SparseSequential(spconv.SubMConv3d(2, 4, 3, indice_key="a"),
                                        spconv.SparseConv3d(4, 4, 3, 2, 1, indice_key="b"),
-                                       spconv.SparseInverseConv3d(4, 4, 3, indice_key="b")).double()
+                                       spconv.SparseInverseConv3d(4, 4, 3, indice_key="b")
+                                       ).double().to(device)
         back = down(_input(coords))
         assert calls == [coords.shape[0]]  # one hash, for the user's tensor, reused by both nets
         assert torch.equal(back.indices, coords)
@@ -68,14 +70,15 @@ def test_only_user_coords_are_hashed(monkeypatch):
         plan_cache.configure(mode="auto")
 
 
-def test_derived_plans_equal_hashed_plans(monkeypatch):
+def test_derived_plans_equal_hashed_plans(device):
     """A plan found by a derived key is the plan of those coordinates: the same as the plan
     of a fresh tensor with the same coordinates (hashed)."""
     plan_cache.configure(mode="never")
     try:
         coords = random_coords(150, SHAPE, 2, generator=torch.Generator().manual_seed(4))
-        conv = spconv.SparseConv3d(2, 4, 3, 2, 1).double()
-        sub = spconv.SubMConv3d(4, 3, 3).double()
+        coords = coords.to(device)
+        conv = spconv.SparseConv3d(2, 4, 3, 2, 1).double().to(device)
+        sub = spconv.SubMConv3d(4, 3, 3).double().to(device)
         mid = conv(_input(coords))
         derived = sub(mid)
         fresh = sub(_input(mid.indices.clone(), seed=2).replace_feature(mid.features))

@@ -151,8 +151,10 @@ def test_policy_decisions_and_settings(monkeypatch):
     with pytest.raises(ValueError):
         parse_bytes("lots")
     monkeypatch.setenv("FLEXPLAN_PLAN_CACHE", "sometimes")
-    with pytest.raises(ValueError, match="sometimes"):
-        Policy()
+    with pytest.warns(RuntimeWarning, match="sometimes"):  # a typo must not break the import
+        assert Policy().mode == "auto"
+    with pytest.raises(ValueError, match="sometimes"):  # an explicit bad mode does raise
+        Policy(mode="sometimes")
     monkeypatch.setenv("FLEXPLAN_PLAN_CACHE", "auto")
     monkeypatch.setenv("FLEXPLAN_PLAN_CACHE_MAX_BYTES", "1M")
     policy = Policy()

@@ -6,7 +6,8 @@ this process (memory) or any process (disk). Modules, one concept each:
     format.py     the plan file (versioned header, crc32, compact tensors, no pickle)
     memory.py     in-process LRU bounded by bytes
     disk.py       shared directory: atomic writes, build locks, LRU eviction, degrade to memory
-    policy.py     settings and the cost model that decides when disk beats rebuilding
+    policy.py     settings, admission (disk only for keys seen twice) and the cost model
+    admission.py  the keys seen so far: this process's and a journal shared through the directory
     plan_cache.py PlanCache, tying them together
     cli.py        `python -m flexplan cache {info,ls,verify,prune,clear}`
 """
@@ -20,7 +21,8 @@ plan_cache = PlanCache()
 def cached_plan(coords, spatial_shape, batch_size, geometry, **kwargs):
     """The plan of `geometry` over `coords`, built at most once per cache directory.
 
-    kwargs: backend ("auto" | "torch" | "triton"), check (validate coords first; default True).
+    kwargs: backend ("auto" | "torch" | "triton"), check (validate coords first; default True),
+    key (the plan's key, if the caller derived it: the coordinates are then not hashed).
     """
     return plan_cache.get_or_build(coords, spatial_shape, batch_size, geometry, **kwargs)
 

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("--fix", action="store_true", help="remove the bad files")
     prune = sub.add_parser("prune", help="evict least recently used files down to a size")
     prune.add_argument("--max-bytes", help="target size, e.g. 2G (default: the configured cap)")
-    sub.add_parser("clear", help="remove every plan file")
+    sub.add_parser("clear", help="remove every plan file and the journal of seen keys")
     args = parser.parse_args(argv)
 
     if args.dir:
@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"directory  {disk.directory}")
         print(f"plans      {len(entries)} files, {_size(total)} (cap {_size(disk.max_bytes)})")
         print(f"mode       {plan_cache.policy.mode}")
+        journal = plan_cache.admission
+        print(f"seen keys  {journal.journal_keys()} in {journal.path.name} "
+              f"({_size(journal.stats()['journal_bytes'])}); in mode auto a plan is written on "
+              "its key's second sighting")
     elif args.command == "ls":
         now = time.time()
         for path, size, mtime in entries:
@@ -75,5 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         removed = disk.evict(cap)
         print(f"removed {len(removed)} files; {_size(disk.total_bytes())} left (cap {_size(cap)})")
     elif args.command == "clear":
-        print(f"removed {disk.clear()} files from {disk.directory}")
+        removed = disk.clear()
+        plan_cache.admission.clear()
+        print(f"removed {removed} files and the journal of seen keys from {disk.directory}")
     return 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import warnings
@@ -16,16 +17,27 @@ from .. import paths
 from ..geometry import ConvGeometry, triple
 from ..plan import ConvPlan
 from ..sparse_tensor import SparseTensorError, check_coords
+from .admission import SeenKeys
 from .disk import DiskCache
 from .format import SUFFIX, PlanFileError, plan_nbytes, read_plan, write_plan
 from .key import plan_key
 from .memory import MemoryCache
-from .policy import Policy
+from .policy import Policy, check_mode
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+_KEY = re.compile(r"[0-9a-f]{32}")
+
+
+def _given_key(key: str) -> str:
+    # A caller's key names a file and a journal line: it must look like plan_key's.
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ValueError(f"plan cache key must be 32 lowercase hex digits, got {key!r}")
+    return key
 
 
 def _check_layout(coords) -> None:
@@ -51,6 +63,8 @@ class PlanCache:
 
     directory: the disk layer's directory; None follows flexplan.paths.plan_cache_dir(), i.e.
     $FLEXPLAN_CACHE_DIR/plans or the per-user cache directory.
+    In mode auto a key goes to the disk layer only on its second sighting (policy.py,
+    admission.py); until then a miss builds and keeps the plan in memory.
     """
 
     def __init__(self, directory: str | os.PathLike | None = None, policy: Policy | None = None):
@@ -58,6 +72,7 @@ class PlanCache:
         self.memory = MemoryCache(self.policy.max_memory_bytes)
         self._directory = directory
         self._disks: dict[Path, DiskCache] = {}
+        self._admissions: dict[Path, SeenKeys] = {}
         self._counts: Counter = Counter()
         self._seconds: Counter = Counter()
         self._keys: dict[int, tuple[weakref.ref, str]] = {}  # id(plan) -> key, for save_plans
@@ -77,12 +92,20 @@ class PlanCache:
         disk.max_bytes = self.policy.max_disk_bytes
         return disk
 
+    @property
+    def admission(self) -> SeenKeys:
+        """The keys seen so far (this process and the directory's journal)."""
+        directory = self.directory
+        seen = self._admissions.get(directory)
+        if seen is None:
+            seen = self._admissions[directory] = SeenKeys(directory)
+        return seen
+
     def configure(self, *, mode: str | None = None, directory: str | os.PathLike | None = None,
                   max_disk_bytes: int | None = None, max_memory_bytes: int | None = None) -> None:
         """Change settings at run time (defaults come from the environment, see policy.py)."""
         if mode is not None:
-            self.policy.mode = mode
-            self.policy.__post_init__()
+            self.policy.mode = check_mode(mode)
         if directory is not None:
             self._directory = directory
         if max_disk_bytes is not None:
@@ -110,8 +133,9 @@ class PlanCache:
         return key if ref is not None and ref() is plan else None
 
     def stats(self) -> dict:
-        """Counts (memory/disk hits, misses, builds, disk writes, corrupt files, ...), seconds
-        spent per kind of event, and the bytes held in memory and on disk."""
+        """Counts (memory/disk hits, misses, builds, first sightings kept off the disk, disk
+        writes, corrupt files, ...), seconds spent per kind of event, the bytes held in memory
+        and on disk, and the seen keys (this process + journal) and the journal's bytes."""
         with self._lock:
             out = dict(self._counts)
             out.update({f"{k}_seconds": v for k, v in self._seconds.items()})
@@ -119,16 +143,19 @@ class PlanCache:
         out.update(memory_bytes=self.memory.nbytes, memory_entries=len(self.memory),
                    disk_bytes=disk.total_bytes(), disk_writable=disk.writable,
                    directory=str(disk.directory), mode=self.policy.mode)
+        out.update(self.admission.stats())
         return out
 
     def clear(self, disk: bool = False) -> None:
-        """Forget the in-memory plans and the counters; with disk=True delete the files too."""
+        """Forget the in-memory plans and the counters; with disk=True delete the files, the
+        journal of seen keys and this process's sightings too."""
         self.memory.clear()
         with self._lock:
             self._counts.clear()
             self._seconds.clear()
         if disk:
             self.disk.clear()
+            self.admission.clear()
 
     # ---- lookups -------------------------------------------------------------------------
     def key(self, coords, spatial_shape, batch_size, geometry) -> str:
@@ -180,10 +207,12 @@ class PlanCache:
             self._count("memory_hits")
         return plan
 
-    def get(self, coords, spatial_shape, batch_size: int, geometry: ConvGeometry) -> ConvPlan | None:
-        """The cached plan (memory, then disk) or None; never builds."""
+    def get(self, coords, spatial_shape, batch_size: int, geometry: ConvGeometry,
+            key: str | None = None) -> ConvPlan | None:
+        """The cached plan (memory, then disk) or None; never builds (nor records a sighting).
+        key: the plan's key if the caller has it (the coordinates are then not hashed)."""
         shape = triple(spatial_shape, "spatial_shape")
-        key = self.key(coords, shape, batch_size, geometry)
+        key = _given_key(key) if key is not None else self.key(coords, shape, batch_size, geometry)
         plan = self._memory_get(key, coords.device)
         if plan is None and self.policy.mode != "never":
             plan, _ = self._load(key, coords, shape, batch_size, geometry, locked=False)
@@ -203,6 +232,7 @@ class PlanCache:
             extra = {"built_on": plan.device.type, "build_seconds": build_seconds or 0.0}
             if self.disk.store(key, plan, extra):
                 self._count("disk_writes")
+                self.admission.record(key)  # a file to find: auto processes should look
         return key
 
     def _build(self, key, coords, shape, batch_size, geometry, backend, store: bool) -> ConvPlan:
@@ -223,20 +253,25 @@ class PlanCache:
         return plan
 
     def get_or_build(self, coords, spatial_shape, batch_size: int, geometry: ConvGeometry, *,
-                     backend: str = "auto", check: bool = True) -> ConvPlan:
+                     backend: str = "auto", check: bool = True, key: str | None = None) -> ConvPlan:
         """The plan of `geometry` over `coords`: from memory, from disk, or built (once across
-        processes sharing the directory) and cached."""
+        processes sharing the directory) and cached. In mode auto a key's first sighting builds
+        and keeps the plan in memory only; the disk is for keys that come back.
+        key: the plan's key if the caller derived it (the coordinates are then not hashed)."""
         _check_layout(coords)
         shape = triple(spatial_shape, "spatial_shape")
         if check:
             check_coords(coords, shape, batch_size)
-        key = self.key(coords, shape, batch_size, geometry)
+        key = _given_key(key) if key is not None else self.key(coords, shape, batch_size, geometry)
         plan = self._memory_get(key, coords.device)
         if plan is not None:
             return plan
         args = (key, coords, shape, batch_size, geometry)
         work = coords.shape[0] * geometry.volume
         if self.policy.mode == "never" or self.policy.build_beats_any_load(coords.device.type, work):
+            return self._build(*args, backend, store=False)
+        if self.policy.mode == "auto" and not self.admission.seen_before(key):
+            self._count("first_sightings")  # likely never back: no file read, no lock, no write
             return self._build(*args, backend, store=False)
         plan, why = self._load(*args, locked=False)
         if plan is not None:

@@ -1,9 +1,22 @@
-"""When the disk layer is worth it: store a plan only if loading it beats rebuilding it.
+"""When the disk layer is worth it: a plan goes to disk only if its key comes back, and only if
+loading it beats rebuilding it.
 
-Loading costs a fixed latency plus bytes over a bandwidth (read, checksum, host-to-device copy);
-building costs time per voxel-offset on the device. The load rates start from defaults measured
-on the H100 machine (scripts/results/bench_cache.md); both are refined by every build and load
-this process times, and a file's header carries its own build time. Settings come from the environment and can be changed through the API:
+Admission (mode auto): most coordinates of a real job are seen once (augmented scans, a new scan
+per request), so a key's first sighting builds the plan and keeps it in memory only: no plan
+file read, no lock, no write. Only a key seen before -- in this process, or in any process
+sharing the directory, through the journal of seen keys (admission.py) -- takes the disk path:
+load the file, else build under the key's lock and store it if the cost model below says so.
+A second epoch or a second run writes; the next one loads. Mode always stores every plan (and
+journals its key, so auto processes load it); mode never has no disk and no journal; save_plans /
+load_plans are not affected.
+
+Cost model: loading costs a fixed latency plus bytes over a bandwidth (read, checksum,
+host-to-device copy); building costs time per voxel-offset on the device. The load rates start
+from defaults measured on the H100 machine (scripts/results/bench_cache.md); both are refined by
+every build and load this process times, and a file's header carries its own build time.
+
+Settings come from the environment (read at import; a bad mode warns and means auto) and can be
+changed through the API:
 
     FLEXPLAN_PLAN_CACHE            auto (default) | always | never  (never: memory layer only)
     FLEXPLAN_PLAN_CACHE_MAX_BYTES  disk cap, e.g. 8G (default), 500M; LRU eviction beyond it
@@ -12,6 +25,7 @@ this process times, and a file's header carries its own build time. Settings com
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 
 MODE_ENV = "FLEXPLAN_PLAN_CACHE"
@@ -43,10 +57,18 @@ def parse_bytes(text: str | int) -> int:
     return int(value)
 
 
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"plan cache mode {mode!r}; choose one of {MODES}")
+    return mode
+
+
 def _env_mode() -> str:
     mode = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise ValueError(f"{MODE_ENV}={mode!r}; choose one of {MODES}")
+    if mode not in MODES:  # a typo in the environment must not break `import flexplan`
+        warnings.warn(f"{MODE_ENV}={mode!r} is not one of {MODES}; using auto", RuntimeWarning,
+                      stacklevel=2)
+        return "auto"
     return mode
 
 
@@ -60,8 +82,7 @@ class Policy:
     load_s_per_byte: dict = field(default_factory=lambda: {k: 1 / v for k, v in _LOAD_BYTES_PER_S.items()})
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"plan cache mode {self.mode!r}; choose one of {MODES}")
+        check_mode(self.mode)
 
     def _load_estimate(self, device_type: str, nbytes: int) -> float:
         latency = _LOAD_LATENCY_S.get(device_type, _LOAD_LATENCY_S["cuda"])
@@ -82,7 +103,7 @@ class Policy:
         self.load_s_per_byte[device_type] = _EMA * rate + (1 - _EMA) * old
 
     def worth_storing(self, device_type: str, build_seconds: float, nbytes: int) -> bool:
-        """After a build: write the plan to disk?"""
+        """After a build of an admitted key (seen before): write the plan to disk?"""
         if self.mode != "auto":
             return self.mode == "always"
         return build_seconds > STORE_MARGIN * self._load_estimate(device_type, nbytes)

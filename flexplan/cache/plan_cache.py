@@ -239,12 +239,19 @@ class PlanCache:
         from ..planner import build_plan
 
         self._count("misses")
+        # Timing a build waits for the GPU to finish it (and everything queued before it): only
+        # where the time decides something, a store, or the first build of a device type (the
+        # rate build_beats_any_load compares). A fresh-coordinate job's builds then overlap.
+        timed = store or self.policy.build_s_per_unit.get(coords.device.type) is None
         start = time.perf_counter()
         plan = build_plan(coords, shape, batch_size, geometry, backend=backend, check=False)
-        _sync(coords.device)
-        seconds = time.perf_counter() - start
-        self._count("builds", seconds)
-        self.policy.record_build(coords.device.type, coords.shape[0] * geometry.volume, seconds)
+        if timed:
+            _sync(coords.device)
+            seconds = time.perf_counter() - start
+            self._count("builds", seconds)
+            self.policy.record_build(coords.device.type, coords.shape[0] * geometry.volume, seconds)
+        else:
+            self._count("builds")
         if store:
             self.put(coords, shape, batch_size, geometry, plan, key=key, build_seconds=seconds)
         else:

@@ -2,8 +2,10 @@
 
 Epoch 1: each worker builds the plan of its sample on the CPU (or finds it, if another worker
 or an earlier run built it) and the plan travels with the batch: pinned by the DataLoader, then
-copied to the GPU with non_blocking=True. Epoch 2: new workers, empty memory; every plan comes
-from the shared disk cache. Prints time per epoch and where the plans came from.
+copied to the GPU with non_blocking=True. Plans are written to the disk cache on their second
+sighting (flexplan/cache/admission.py): epoch 2's workers, with empty memory, see each sample's
+coordinates again and build and write them; epoch 3's load them all. Prints time per epoch and
+where the plans came from.
 
     python scripts/train_demo_cache.py            # GPU sizes
     python scripts/train_demo_cache.py --tiny     # a few seconds on a CPU
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
     step(torch.randn(warm.shape[0], channels, device=device), build_plan(warm, (16,) * 3, 1, GEOM))
     print(f"device {device}, {samples} samples at {resolution}^3, {args.workers} workers, "
           f"cache {os.environ['FLEXPLAN_CACHE_DIR']}")
-    for epoch in (1, 2):
+    for epoch in (1, 2, 3):
         start, built, voxels = time.perf_counter(), 0, 0
         for feats, plan, was_built in loader:
             feats = feats.to(device, non_blocking=True)

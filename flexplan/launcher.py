@@ -14,7 +14,9 @@ through kernel[grid], 13.8 us here, of which the key is 2.2 and Triton's launche
 its C part, which Triton 3.6 repeat calls reach directly). The class refines Triton's
 specialization (dtype and 16-byte alignment of each tensor; whether an int is 1, a multiple of
 16, and its integer width; the constexprs), so two calls of one class always take the same
-binary.
+binary; and like Triton it leaves out what a kernel's decorator says not to specialize
+(do_not_specialize: sizes and places that change from call to call), read from the kernel
+itself (arg_specialization), so a new size is never a new class.
 """
 from __future__ import annotations
 
@@ -75,24 +77,66 @@ _UNIT_GRID = (1, 1, 1)  # a grid's missing dimensions
 _SCRATCH_FREE_CUDA_LAUNCHER = triton.__version__.startswith("3.6.")
 
 
+# What Triton specializes the argument of one parameter on, as its decorator says: everything
+# (an int: == 1, divisible by 16, width; a tensor: dtype, 16-byte alignment), all but
+# divisibility and alignment (do_not_specialize_on_alignment), or only an int's width and a
+# tensor's dtype (do_not_specialize). Same rules in Triton 3.6 and 3.9.
+SPECIALIZED, NO_ALIGNMENT, NOT_SPECIALIZED = 0, 1, 2
+# id(kernel) -> (kernel, arg_specialization(kernel)); holding the kernel keeps its id its own.
+_arg_specs: dict = {}
+# ROCm: Triton also specializes tensors on whether their storage fits 2 GiB (buffer ops).
+_HIP = bool(torch.version.hip)
+_MAX_BUFFER_BYTES = 2**31 - 1
+
+
+def jit_function(kernel) -> JITFunction:
+    """The kernel as a JITFunction (whose params and binder say what Triton specializes): itself,
+    or under TRITON_INTERPRET=1 one made from the interpreted function with the same decorator
+    arguments."""
+    if isinstance(kernel, JITFunction):
+        return kernel
+    options = getattr(kernel, "kwargs", {})
+    return JITFunction(kernel.fn, do_not_specialize=options.get("do_not_specialize"),
+                       do_not_specialize_on_alignment=options.get("do_not_specialize_on_alignment"))
+
+
+def arg_specialization(kernel) -> tuple[int, ...]:
+    """Per parameter, in order: SPECIALIZED, NO_ALIGNMENT or NOT_SPECIALIZED, from the kernel's
+    decorator (the one place each kernel says what is specialized; constexpr parameters read
+    SPECIALIZED)."""
+    known = _arg_specs.get(id(kernel))
+    if known is not None:
+        return known[1]
+    spec = tuple(NOT_SPECIALIZED if p.do_not_specialize else
+                 NO_ALIGNMENT if p.do_not_specialize_on_alignment else SPECIALIZED
+                 for p in jit_function(kernel).params)
+    _arg_specs[id(kernel)] = kernel, spec
+    return spec
+
+
 def _call_key(kernel, device: int, args: tuple, constexprs: dict):
     """The call's class, what Triton specializes each runtime argument on or more, as one flat
     tuple (built inline: this runs on every launch); None for arguments of other types.
-    A tensor adds its dtype and 16-byte alignment; an int one code for == 1, divisible by 16
-    and its width (never 0 or 1, which a bool argument adds: its value)."""
+    A tensor adds its dtype and, where specialized, its 16-byte alignment (and on ROCm whether
+    its storage fits 2 GiB); an int one code for == 1, divisible by 16 (where specialized) and
+    its width (never 0 or 1, which a bool argument adds: its value)."""
     key = [id(kernel), device]
     append = key.append
-    for arg in args:
+    known = _arg_specs.get(id(kernel))
+    for arg, how in zip(args, known[1] if known is not None else arg_specialization(kernel)):
         kind = type(arg)
         if kind is int:  # most arguments are (a bool is not int here)
-            if arg == 1:
+            if arg == 1 and how != NOT_SPECIALIZED:
                 append(7)
             else:
                 append((10 if -2**31 <= arg < 2**31 else 12 if -2**63 <= arg < 2**63 else 14)
-                       + (arg & 15 == 0))
+                       + (how == SPECIALIZED and arg & 15 == 0))
         elif kind is Tensor or isinstance(arg, Tensor):
             append(arg.dtype)
-            append(arg.data_ptr() & 15)
+            if how == SPECIALIZED:
+                append(arg.data_ptr() & 15)
+            if _HIP and how != NOT_SPECIALIZED:
+                append(arg.untyped_storage().nbytes() <= _MAX_BUFFER_BYTES)
         elif kind is bool:
             append(arg)
         else:

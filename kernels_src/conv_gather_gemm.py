@@ -28,7 +28,13 @@ import triton.language as tl
 from .conv_common import dot_acc
 
 
-@triton.jit
+# Specialized (layer constants, one binary per layer): K, N, V (K and N divisible by 16 vectorize
+# the feature loads and output stores) and the alignment of the feature, weight, bias, map,
+# order and output tensors (own allocations: always 16-byte aligned). Not specialized (they
+# change from call to call): the row count M, and the offsets of valid_kernel and
+# valid_kernel_seg, views into the plan's one int32 buffer at size-dependent places that the
+# kernel reads one value at a time (alignment would buy nothing).
+@triton.jit(do_not_specialize=["M", "valid_kernel_ptr", "valid_kernel_seg_ptr"])
 def conv_gather_gemm_kernel(
     src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr, valid_kernel_ptr,
     valid_kernel_seg_ptr, out_ptr,

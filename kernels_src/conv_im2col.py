@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["row_start"])
+# Both kernels: specialized on K, V (layer constants) and the alignment of src, map and out (own
+# allocations); not on row_start and rows, each chunk's place and size (they vary per call).
+@triton.jit(do_not_specialize=["row_start", "rows"])
 def im2col_kernel(src_ptr, map_ptr, out_ptr, row_start, rows, K, V,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Grid: (row blocks, V). One program copies BLOCK_M rows of one offset."""
@@ -35,7 +37,7 @@ def im2col_kernel(src_ptr, map_ptr, out_ptr, row_start, rows, K, V,
         tl.store(out_ptr + out_rows + offs_k[None, :], x, mask=m_mask[:, None] & k_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["row_start"])
+@triton.jit(do_not_specialize=["row_start", "rows"])
 def im2col_channel_major_kernel(src_ptr, map_ptr, out_ptr, row_start, rows, K, V,
                                 REVERSE_V: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_K: tl.constexpr, V_PAD: tl.constexpr):

@@ -14,7 +14,10 @@ import triton.language as tl
 from .conv_common import dot_acc
 
 
-@triton.jit
+# Specialized (layer constants): CO, CI, V, S and the alignment of grad_out, src and out. Not
+# specialized: the pair tensors, views into the plan's pair buffer at size-dependent places,
+# read from run-time offsets (pair_seg) where alignment buys nothing. No size is an argument.
+@triton.jit(do_not_specialize=["pair_out_ptr", "pair_in_ptr", "pair_seg_ptr"])
 def conv_wgrad_kernel(
     grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr, out_ptr,
     CO, CI, V, S,

@@ -51,7 +51,14 @@ def _voxel_key(b, x, y, z, size_x, size_y, size_z, KEY_64: tl.constexpr):
         return ((b * size_x + x) * size_y + y) * size_z + z
 
 
-@triton.jit(do_not_specialize=["batch_size"])  # batch 1 would compile its own binary
+# Both table kernels: specialized on the constexprs and on the alignment of the table, value and
+# map tensors (own allocations). Not specialized (they vary from call to call, and the kernels
+# only do arithmetic or scalar accesses with them): the row count, the slot mask (the table's
+# size follows it), the batch size (1 would compile its own binary), the grid extents (a job may
+# pass each batch's own), the coords (the caller's tensor, maybe a view) and the problem slots
+# (a view behind the table, at a size-dependent place).
+@triton.jit(do_not_specialize=["coords", "n", "slot_mask", "problems", "batch_size", "size_x",
+                               "size_y", "size_z"])
 def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, problems, nmap,
                        batch_size, size_x, size_y, size_z, V: tl.constexpr,
                        KEY_64: tl.constexpr, BLOCK: tl.constexpr):
@@ -125,7 +132,8 @@ def _lookup(table_keys, table_vals, key, active, slot_mask, KEY_64: tl.constexpr
     return found
 
 
-@triton.jit(do_not_specialize=["batch_size"])
+@triton.jit(do_not_specialize=["coords", "n", "slot_mask", "batch_size", "size_x", "size_y",
+                               "size_z"])
 def submanifold_neighbor_map_kernel(
         table_keys, table_vals, coords, nmap, n, slot_mask,
         batch_size, size_x, size_y, size_z,

@@ -29,8 +29,11 @@ def _output_axis(c, S: tl.constexpr, P: tl.constexpr, K: tl.constexpr, D: tl.con
     return o, ok
 
 
-# The row count varies from call to call: specializing on it would only multiply binaries.
-@triton.jit(do_not_specialize=["n"])
+# Not specialized (they vary from call to call; specializing would only multiply binaries): row
+# and candidate counts, the grid extents (a job may pass each batch's own) and the caller's
+# coords (maybe a view; read one value at a time). The constexprs and the alignment of the
+# kernels' own allocations are.
+@triton.jit(do_not_specialize=["coords", "n", "size_x", "size_y", "size_z"])
 def generative_candidates_kernel(coords, keys, taps, n, size_x, size_y, size_z,
                                  KX: tl.constexpr, KY: tl.constexpr, KZ: tl.constexpr,
                                  SX: tl.constexpr, SY: tl.constexpr, SZ: tl.constexpr,
@@ -82,7 +85,8 @@ def run_starts_kernel(sorted_keys, starts, totals, total, SENT: tl.constexpr, BL
     tl.store(totals + 1 + j * 0, j + 1, mask=live & last)
 
 
-@triton.jit(do_not_specialize=["total", "n_in"])
+# (out_coords: the caller's coords where WRITE_FWD is off.)
+@triton.jit(do_not_specialize=["out_coords", "total", "n_in", "size_x", "size_y", "size_z"])
 def generative_scatter_kernel(sorted_keys, order, rank, taps, bwd, fwd, out_coords, total, n_in,
                               size_x, size_y, size_z, T: tl.constexpr, V: tl.constexpr,
                               SENT: tl.constexpr, WRITE_BWD: tl.constexpr,

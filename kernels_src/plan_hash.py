@@ -19,7 +19,9 @@ def _lane(w, pos, step, mul1, mul2, mask):
     return tl.sum(tl.where(mask, x, 0), axis=0)
 
 
-@triton.jit
+# Not specialized on the word count (it varies); specialized on the words' alignment (coords are
+# whole 16-byte rows: any row view of them is aligned) for vectorized loads.
+@triton.jit(do_not_specialize=["n_words"])
 def plan_hash_kernel(words_ptr, partial_ptr, n_words, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -16,14 +16,16 @@ import triton
 import triton.language as tl
 
 MISSING = tl.constexpr(-1)
-# valid_kernel / valid_kernel_seg of each block size start at a multiple of 4 int32s: 16-byte
-# aligned pointers, the specialization the gather-GEMM's JIT and AOT binaries see.
+# valid_kernel / valid_kernel_seg of each block size start at a multiple of 4 int32s (16 bytes).
+# (The kernels that read them do not specialize on their alignment: see conv_gather_gemm.py.)
 ALIGN = tl.constexpr(4)
 
 
-# The offset count and the padded length take any value: specializing on them would only
-# multiply binaries.
-@triton.jit(do_not_specialize=["signal_offsets", "padded"])
+# Plan kernels: sizes, counts and places in the plan's buffers vary from call to call, and views
+# at size-dependent places (the caller's readback slots, seg) are read or written one value at a
+# time: none is specialized (specializing would only multiply binaries). The constexprs and the
+# alignment of the kernels' own allocations are.
+@triton.jit(do_not_specialize=["n", "signal_offsets", "padded"])
 def gray_rank_kernel(nmap, ranks, counts, n, signal_offsets, padded, V: tl.constexpr,
                      WORDS: tl.constexpr, WORD_BITS: tl.constexpr, BLOCK: tl.constexpr):
     """ranks[w, i] = word w of row i's inverse-Gray-code rank (offset V-1 most significant), and
@@ -226,7 +228,8 @@ def _pair_tile(counts, scan, readback, state, entries, p, pair_tiles, FLAGS: tl.
         tl.store(readback + FLAGS + LEVELS, prefix + tl.sum(count))
 
 
-@triton.jit(do_not_specialize=["entries", "kernels_at", "segs_at", "chunks", "tiles"])
+@triton.jit(do_not_specialize=["readback", "n", "entries", "kernels_at", "segs_at", "chunks",
+                               "tiles"])
 def schedule_offsets_kernel(sorted_ranks, order, sorted_idx, counts, scan, plan_out, readback, n,
                             entries, kernels_at, segs_at, chunks, tiles, V: tl.constexpr,
                             WORDS: tl.constexpr, WORD_BITS: tl.constexpr, B0: tl.constexpr,
@@ -258,7 +261,7 @@ def schedule_offsets_kernel(sorted_ranks, order, sorted_idx, counts, scan, plan_
                    FLAGS, LEVELS, PAIR_TILE, LOOK_BACK)
 
 
-@triton.jit(do_not_specialize=["room"])
+@triton.jit(do_not_specialize=["room", "seg", "n"])
 def pairs_kernel(nmap, scan, pair_rows, room, seg, n, V: tl.constexpr,
                  SIGNAL: tl.constexpr, BLOCK: tl.constexpr, V_CHUNK: tl.constexpr):
     """valid_signal: the pairs (nmap[i, v], i) of this program's rows i, per offset v < SIGNAL,

@@ -201,39 +201,55 @@ def test_manifest_of_another_triton_is_refused(probe):
 # ---------------------------------------------------------------- registry vs the real ops
 
 def test_registry_reproduces_the_ops_launches(monkeypatch):
-    """Record every launch of a small SubMConv3d forward + backward (planner included) and check
-    the registry lists a variant with the same argument kinds, dtypes and constexpr names."""
-    from flexplan import SparseTensor, launcher
+    """Record every launch of plan builds (submanifold, strided, the coordinate hash) and of a
+    small SubMConv3d forward + backward, and check the registry lists each one's exact
+    specialization (Triton's binder for sm_90 on both sides: argument types, the classes of the
+    ints and pointers it specializes, constexprs, launch options). Sizes are not specialized,
+    so this tiny problem's launches are the registry's."""
+    import importlib
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from flexplan import ConvGeometry, SparseTensor, build_plan, launcher
+    from flexplan.aot.specialize import _example
     from flexplan.aot.variants import KERNELS, enumerate_variants
+    from flexplan.cache.key import coords_digest
     from flexplan.nn.submconv import SubMConv3d
     from flexplan.workloads import random_coords
 
-    def shape(kernel_attr, args, constexprs):
-        kinds = tuple(str(a.dtype).removeprefix("torch.") if isinstance(a, torch.Tensor) else "int"
-                      for a in args)
-        return kernel_attr, kinds, frozenset(constexprs)
+    backend, binders = make_backend(GPUTarget("cuda", 90, 32)), {}
 
-    known = {(v.attr, tuple(value if kind == "tensor" else "int" for kind, value in v.args),
-              frozenset(dict(v.constexprs))) for v in enumerate_variants()}
+    def specialization(kernel, args, constexprs):
+        fn = launcher.jit_function(kernel)
+        if fn.fn not in binders:
+            binders[fn.fn] = create_function_from_signature(fn.signature, fn.params, backend)
+        _, spec, options = binders[fn.fn](*args, **constexprs)
+        return fn.fn.__name__, tuple(spec), tuple(sorted(options.items()))
+
+    known = set()
+    for v in enumerate_variants(targets=["sm_90"]):
+        kernel = getattr(importlib.import_module(v.module), v.attr)
+        known.add(specialization(kernel, [_example(a) for a in v.args], dict(v.constexprs)))
     seen = []
     real_launch = launcher.launch
 
     def recording_launch(kernel, grid, *args, **constexprs):
-        seen.append(shape(kernel.fn.__name__, args, constexprs))
+        seen.append(specialization(kernel, args, constexprs))
         return real_launch(kernel, grid, *args, **constexprs)
 
-    import importlib
-
-    from flexplan import ConvGeometry, build_plan
-
-    ops = importlib.import_module("flexplan.ops.sparse_conv")
-    hashmap = importlib.import_module("flexplan.planner.hashmap")
-
-    for module in (ops, hashmap, importlib.import_module("flexplan.planner.segments_triton"), launcher):
-        monkeypatch.setattr(module, "launch", recording_launch)
+    for name in ("flexplan.ops.sparse_conv", "flexplan.planner.hashmap",
+                 "flexplan.planner.segments_triton", "flexplan.planner.generative_triton"):
+        monkeypatch.setattr(importlib.import_module(name), "launch", recording_launch)
+    monkeypatch.setattr(launcher, "launch", recording_launch)  # the coordinate hash imports it late
     gen = torch.Generator().manual_seed(0)
     coords = random_coords(40, (8, 8, 8), batch_size=1, generator=gen)
-    build_plan(coords, (8, 8, 8), 1, ConvGeometry.submanifold_conv(3, 1), backend="triton")
+    coords_digest(coords, use_triton=True)
+    for geometry in (ConvGeometry.submanifold_conv(3, 1),
+                     ConvGeometry.make(2, stride=2, submanifold=False),
+                     ConvGeometry.make(3, stride=2, padding=1, submanifold=False)):
+        build_plan(coords, (8, 8, 8), 1, geometry, backend="triton")
     for dtype in (torch.float32, torch.float16):
         x = SparseTensor(torch.randn(len(coords), 16, generator=gen).to(dtype).requires_grad_(),
                          coords, (8, 8, 8), 1)
@@ -241,13 +257,8 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
             conv = SubMConv3d(16, 16, dtype=dtype, algo=algo)
             conv(x).feats.float().square().sum().backward()
     kernels = {k.split(":")[1] for k in KERNELS.values()}
-    assert {s[0] for s in seen} >= {"conv_gather_gemm_kernel", "conv_wgrad_kernel", "im2col_kernel",
-                                    "im2col_channel_major_kernel", "hash_insert_kernel",
-                                    "submanifold_neighbor_map_kernel"}
-    # (the plan-segment kernels run only on a GPU: the bench checks them, zero compilations)
+    assert {s[0] for s in seen} == kernels  # every kernel of the registry, nothing else
     for call in seen:
-        assert call[0] in kernels, f"{call[0]} is not in flexplan/aot/variants.py"
-        # ints compare by kind only: the registry's example values differ from this tiny problem
         assert call in known, call
 
 

@@ -22,9 +22,13 @@ def _constexpr_first(BLOCK: tl.constexpr, src):
     pass
 
 
+def _one_arg(a):
+    pass
+
+
 def test_call_classes_separate_what_triton_specializes_on():
     t = torch.zeros(8, dtype=torch.float32)
-    kernel = object()
+    kernel = JITFunction(_one_arg)
 
     def cls(arg, **constexprs):
         return launcher._call_key(kernel, 0, (arg,), constexprs)
@@ -35,8 +39,38 @@ def test_call_classes_separate_what_triton_specializes_on():
     assert cls(2) == cls(3) and cls(16) == cls(32)
     assert cls(True) != cls(False) and cls(True) != cls(1)
     assert cls(1, BLOCK=64) != cls(1, BLOCK=128)
-    assert launcher._call_key(kernel, 0, (t,), {}) != launcher._call_key(object(), 0, (t,), {})
+    assert launcher._call_key(kernel, 0, (t,), {}) != launcher._call_key(JITFunction(_one_arg), 0, (t,), {})
     assert cls(0.5) is None and cls("x") is None
+
+
+@pytest.mark.parametrize("option", ["do_not_specialize", "do_not_specialize_on_alignment"])
+def test_call_classes_leave_out_what_the_decorator_does_not_specialize(option):
+    """As Triton (3.6 and 3.9): do_not_specialize keeps an int's width and a tensor's dtype only;
+    do_not_specialize_on_alignment drops divisibility by 16 and alignment, keeps value 1."""
+    t = torch.zeros(8, dtype=torch.float32)
+    kernel = JITFunction(_one_arg, **{option: ["a"]})
+    expected = (launcher.NOT_SPECIALIZED if option == "do_not_specialize"
+                else launcher.NO_ALIGNMENT)
+    assert launcher.arg_specialization(kernel) == (expected,)
+
+    def cls(arg):
+        return launcher._call_key(kernel, 0, (arg,), {})
+
+    assert cls(t) == cls(t[1:]) and cls(t) != cls(t.to(torch.float16))
+    assert cls(2) == cls(3) == cls(16) and cls(16) != cls(2**31)
+    assert (cls(1) == cls(2)) == (option == "do_not_specialize")
+    # The launcher's classes never split what Triton's binder joins, nor join what it splits.
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    binder = create_function_from_signature(kernel.signature, kernel.params,
+                                            make_backend(GPUTarget("cuda", 90, 32)))
+    values = [1, 2, 3, 16, 32, 2**31, 2**31 + 16, t, t[1:], t[4:], t.to(torch.float16)]
+    for a in values:
+        for b in values:
+            same_class = type(a) is type(b) and cls(a) == cls(b)
+            assert same_class == (binder(a)[1] == binder(b)[1] and type(a) is type(b)), (a, b)
 
 
 def test_constexpr_tail_follows_the_parameters():

@@ -2,13 +2,16 @@
 
 A Variant is one example call (argument kinds + constexprs + launch options) of one kernel; the
 AOT build turns it into Triton's compile inputs with the JIT's own binder, so each variant is
-exactly the specialization the JIT would compile for calls like it.
+exactly the specialization the JIT would compile for calls like it. Its ints are examples of
+their class (make_variant), so the registry lists each specialization once; sizes, counts and
+places are not specialized (each kernel's decorator says which), so one variant serves them all.
 
 Configs: `config_sources()` — the heuristic config of every representative problem
 (REP_ROWS x REP_CHANNEL_PAIRS x dtype x part, with the algorithm "auto" picks, on each target's
 shared memory size), the configs of the tuner's shipped tables
-(flexplan.tuning.aot.shipped_configs), and any source registered with `add_config_source`. Arguments are given by parameter name and mirror the launches in
-flexplan/ops/sparse_conv.py and flexplan/planner/hashmap.py; tests/test_aot.py records the
+(flexplan.tuning.aot.shipped_configs), and any source registered with `add_config_source`.
+Arguments are given by parameter name and mirror the launches in flexplan/ops/sparse_conv.py and
+flexplan/planner/ (hashmap, segments_triton, generative_triton); tests/test_aot.py records the
 real ops' launches and checks the registry reproduces them.
 """
 from __future__ import annotations
@@ -18,28 +21,38 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
+from ..geometry import ConvGeometry
 from ..kernel_configs import (DTYPES, GATHER_GEMM, PLAN_BLOCK_SIZES, WGRAD, KernelConfig, Problem,
                               choose_algo, heuristic_config)
+from ..launcher import NOT_SPECIALIZED, SPECIALIZED, arg_specialization
 from ..plan import mirrored_signal_offsets
 from .keys import TARGET_SHARED_MEMORY
 
-# Representative problem sizes: rows on both sides of powers of two (so both the "divisible by
-# 16" and the plain integer specialization of the row count are built) and the channel widths of
-# sparse U-Nets (channel counts not divisible by 16 run JIT-compiled).
-REP_ROWS = tuple(r for k in range(8, 21, 3) for r in (1 << k, (1 << k) + 3))
+# Representative problem sizes: row counts for the configs and algorithms the heuristic picks
+# (no kernel specializes on a row count: the kernels' decorators say do_not_specialize, so one
+# binary serves every size) and the channel widths of sparse U-Nets (channel counts not
+# divisible by 16 run JIT-compiled).
+REP_ROWS = tuple(1 << k for k in range(8, 21, 3))
 REP_CHANNELS = (16, 32, 64, 128, 256)
 REP_CHANNEL_PAIRS = tuple((c, c) for c in REP_CHANNELS) + tuple(
     pair for a, b in zip(REP_CHANNELS, REP_CHANNELS[1:]) for pair in ((a, b), (b, a)))
 REP_VOLUMES = (27,)
-# Planner: grid sizes (divisible by 16 or not, per axis) and submanifold kernel sizes.
-REP_GRID_SIZES = (128, 100)
+# Planner: a grid (its extents are not specialized either), submanifold kernel sizes, and the
+# strided / transposed geometries of sparse U-Nets (their maps also go through the schedule).
+REP_GRID = (128, 128, 128)
 REP_KERNEL_SIZES = (3, 5)
+REP_GENERATIVE = tuple(ConvGeometry.make(k, stride=2, padding=(k - 1) // 2, submanifold=False,
+                                         transposed=t) for k in (2, 3) for t in (False, True))
+# The example of each int32 class Triton compiles for (make_variant): 1, divisible by 16, other
+# (also every int a kernel does not specialize on: sizes, counts, places).
+INT_ONE, INT_DIV16, INT_PLAIN = 1, 16, 17
 
 KERNEL_PACKAGE = "flexplan.kernels_src"
 LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
 HASH_INSERT, HASH_SUBM_NMAP = "hash_insert", "submanifold_neighbor_map"
 SEGMENT_KERNELS = ("gray_rank", "schedule_offsets", "pairs")
 PLAN_HASH = "plan_hash"
+GENERATIVE_KERNELS = ("generative_candidates", "run_starts", "generative_scatter")
 IM2COL, IM2COL_CHANNEL_MAJOR = "im2col", "im2col_channel_major"
 # Kernels: short name -> "module:attribute" in KERNEL_PACKAGE.
 KERNELS = {
@@ -49,6 +62,7 @@ KERNELS = {
     HASH_SUBM_NMAP: "hashmap:submanifold_neighbor_map_kernel",
     **{name: f"plan_segments:{name}_kernel" for name in SEGMENT_KERNELS},
     PLAN_HASH: "plan_hash:plan_hash_kernel",
+    **{name: f"plan_generative:{name}_kernel" for name in GENERATIVE_KERNELS},
     IM2COL: "conv_im2col:im2col_kernel",
     IM2COL_CHANNEL_MAJOR: "conv_im2col:im2col_channel_major_kernel",
 }
@@ -56,8 +70,9 @@ KERNELS = {
 
 @dataclass(frozen=True)
 class Variant:
-    """One example call. args: ("tensor", torch dtype name) or ("int", value) per positional
-    argument; constexprs: sorted (name, value) pairs incl. num_warps / num_stages."""
+    """One example call. args: ("tensor", torch dtype name) or ("int", example of the value's
+    class) per positional argument; constexprs: sorted (name, value) pairs incl. num_warps /
+    num_stages."""
 
     kernel: str
     args: tuple
@@ -74,7 +89,9 @@ class Variant:
 
 def make_variant(kernel: str, values: dict, constexprs: dict) -> Variant:
     """A Variant from {parameter name: ("tensor", dtype) | int} in any order; a parameter the
-    registry does not know (the kernel changed) is a clear error, not a silent mismatch."""
+    registry does not know (the kernel changed) is a clear error, not a silent mismatch. Each
+    int becomes the example of its class (_int_example), so calls of one specialization are one
+    variant."""
     probe = Variant(kernel, (), ())
     fn = getattr(importlib.import_module(probe.module), probe.attr)
     unknown = set(constexprs) - set(fn.arg_names) - LAUNCH_OPTIONS
@@ -82,15 +99,27 @@ def make_variant(kernel: str, values: dict, constexprs: dict) -> Variant:
         raise KeyError(f"flexplan/aot/variants.py passes {sorted(unknown)} to {probe.attr}, which has no "
                        "such parameters; update its argument list")
     args = []
-    for name in fn.arg_names:
+    for name, how in zip(fn.arg_names, arg_specialization(fn)):
         if name in constexprs:
             continue
         if name not in values:
             raise KeyError(f"flexplan/aot/variants.py does not describe parameter {name!r} of "
                            f"{probe.attr}; update its argument list")
         value = values[name]
-        args.append(value if isinstance(value, tuple) else ("int", value))
+        args.append(value if isinstance(value, tuple) else ("int", _int_example(value, how)))
     return Variant(kernel, tuple(args), tuple(sorted(constexprs.items())))
+
+
+def _int_example(value: int, how: int) -> int:
+    """The example of value's class for a parameter specialized as `how` (launcher's codes):
+    what Triton's binder makes of value and of the example is the same."""
+    if not -2**31 <= value < 2**31:  # (i64 / u64: as is)
+        return value
+    if how == NOT_SPECIALIZED:
+        return INT_PLAIN
+    if value == 1:
+        return INT_ONE
+    return INT_DIV16 if how == SPECIALIZED and value % 16 == 0 else INT_PLAIN
 
 
 ConfigSource = Callable[[], Iterable[tuple[Problem, KernelConfig]]]
@@ -135,7 +164,7 @@ def shipped_table_source() -> Iterator[tuple[Problem, KernelConfig]]:
 
     for family, configs in shipped_configs().items():
         parts = ("wgrad",) if family == WGRAD else ("fwd", "dgrad")
-        for cfg, dtype, part, n in itertools.product(sorted(configs, key=repr), DTYPES, parts, REP_ROWS[:2]):
+        for cfg, dtype, part, n in itertools.product(sorted(configs, key=repr), DTYPES, parts, REP_ROWS[:1]):
             for algo in (("masked_splitk", "implicit_splitk") if cfg.splitk > 1 else ("masked", "implicit")):
                 yield Problem(n, 64, 64, 27, dtype, algo, part), cfg
 
@@ -189,11 +218,10 @@ def planner_variants() -> Iterator[Variant]:
     from ..planner.hashmap import INSERT_LAUNCH, LOOKUP_LAUNCH
 
     i32, i64 = ("tensor", "int32"), ("tensor", "int64")
-    for key_64, n, size in itertools.product((False, True), REP_ROWS[:2],
-                                             itertools.product(REP_GRID_SIZES, repeat=3)):
-        common = dict(table_keys=i64, table_vals=i32, coords=i32, nmap=i32, n=n,
-                      slot_mask=(1 << 12) - 1, batch_size=2, size_x=size[0], size_y=size[1],
-                      size_z=size[2])
+    for key_64 in (False, True):
+        common = dict(table_keys=i64, table_vals=i32, coords=i32, nmap=i32, n=REP_ROWS[0],
+                      slot_mask=(1 << 12) - 1, batch_size=2, size_x=REP_GRID[0], size_y=REP_GRID[1],
+                      size_z=REP_GRID[2])
         for k in (1,) + REP_KERNEL_SIZES:  # 1: coords_problems
             yield make_variant(HASH_INSERT, dict(common, problems=i64),
                                dict(V=k ** 3, KEY_64=key_64, **INSERT_LAUNCH))
@@ -211,8 +239,8 @@ def segment_variants() -> Iterator[Variant]:
 
     i32, i64 = ("tensor", "int32"), ("tensor", "int64")
     smallest, levels = seg.block_levels(PLAN_BLOCK_SIZES)
-    for m, k in itertools.product(REP_ROWS, REP_KERNEL_SIZES):
-        v = k ** 3
+    m = REP_ROWS[0]  # (no size is specialized: one row count serves all)
+    for v in sorted({k ** 3 for k in REP_KERNEL_SIZES} | {g.volume for g in REP_GENERATIVE}):
         bits, dtype, words = rank_words(v)
         word = ("tensor", str(dtype).removeprefix("torch."))
         n_blocks = sum(-(-m // (smallest << l)) for l in range(levels))
@@ -233,8 +261,36 @@ def segment_variants() -> Iterator[Variant]:
                                              n=m),
                                dict(V=v, SIGNAL=offsets, **seg.PAIRS_LAUNCH,
                                     V_CHUNK=seg.pairs_v_chunk(offsets)))
-    for m in REP_ROWS:
-        yield make_variant(PLAN_HASH, dict(words_ptr=i64, partial_ptr=i64, n_words=m), dict(BLOCK=_TRITON_BLOCK))
+    yield make_variant(PLAN_HASH, dict(words_ptr=i64, partial_ptr=i64, n_words=m), dict(BLOCK=_TRITON_BLOCK))
+
+
+def generative_variants() -> Iterator[Variant]:
+    """The launches of flexplan.planner.generative_triton (strided and transposed plans; their
+    schedules: segment_variants), for REP_GENERATIVE and both key dtypes."""
+    import torch
+
+    from ..planner import generative_triton as gen
+
+    i32, i64 = ("tensor", "int32"), ("tensor", "int64")
+    n = REP_ROWS[0]
+    grid = dict(size_x=REP_GRID[0], size_y=REP_GRID[1], size_z=REP_GRID[2])
+    for geometry, key_dtype in itertools.product(REP_GENERATIVE, (torch.int32, torch.int64)):
+        keys = ("tensor", str(key_dtype).removeprefix("torch."))
+        sent, slots = gen.SENTINEL[key_dtype], gen.candidate_slots(geometry)
+        per_axis = {f"{name}{axis}": value for name, values in (
+            ("K", geometry.kernel_size), ("S", geometry.stride), ("P", geometry.padding),
+            ("D", geometry.dilation)) for axis, value in zip("XYZ", values)}
+        yield make_variant("generative_candidates", dict(coords=i32, keys=keys, taps=i32, n=n, **grid),
+                           dict(per_axis, T=slots, TRANSPOSED=geometry.transposed, SENT=sent,
+                                **gen.CANDIDATES_LAUNCH))
+        yield make_variant("run_starts", dict(sorted_keys=keys, starts=i32, totals=i64, total=n * slots),
+                           dict(SENT=sent, **gen.ENTRIES_LAUNCH))
+        for write_fwd in (False, True):  # the bwd map, then the fwd map and output coords
+            yield make_variant("generative_scatter", dict(
+                sorted_keys=keys, order=i64, rank=i32, taps=i32, bwd=i32, fwd=i32, out_coords=i32,
+                total=n * slots, n_in=n, **grid), dict(T=slots, V=geometry.volume, SENT=sent,
+                                                      WRITE_BWD=not write_fwd, WRITE_FWD=write_fwd,
+                                                      **gen.ENTRIES_LAUNCH))
 
 
 def im2col_variants() -> Iterator[Variant]:
@@ -243,7 +299,7 @@ def im2col_variants() -> Iterator[Variant]:
     from ..kernel_configs import IM2COL_BLOCK_K, IM2COL_BLOCK_M, im2col_channel_major_blocks
 
     i32 = ("tensor", "int32")
-    for dtype, rows, v in itertools.product(sorted({_torch_dtype(d) for d in DTYPES}), REP_ROWS[:2],
+    for dtype, rows, v in itertools.product(sorted({_torch_dtype(d) for d in DTYPES}), REP_ROWS[:1],
                                             REP_VOLUMES):
         values = dict(src_ptr=("tensor", dtype), map_ptr=i32, out_ptr=("tensor", dtype), row_start=0,
                       rows=rows, K=1024, V=v)
@@ -262,7 +318,8 @@ def enumerate_variants(kernel_filter: str | None = None, channels: Iterable[int]
     """Every variant to build for these targets (default: all), deduplicated, in a stable order;
     kernel_filter keeps the kernels whose short name contains it."""
     seen: dict[Variant, None] = {}
-    for variant in itertools.chain(planner_variants(), segment_variants(), im2col_variants()):
+    for variant in itertools.chain(planner_variants(), segment_variants(), generative_variants(),
+                                   im2col_variants()):
         if not kernel_filter or kernel_filter in variant.kernel:
             seen.setdefault(variant, None)
     sources = config_sources(targets)

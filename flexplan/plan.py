@@ -18,7 +18,8 @@ from .geometry import ConvGeometry
 from .kernel_configs import SCHEDULE_CHUNK
 
 # Bump whenever a field's meaning or layout changes: the plan cache keys on it.
-PLAN_FORMAT_VERSION = 2  # 2: submanifold plans keep the mirrored half of valid_signal
+PLAN_FORMAT_VERSION = 3  # 2: submanifold plans keep the mirrored half of valid_signal
+# 3: for_training (inference plans carry no backward parts)
 
 # Missing neighbour marker in neighbor_map (int32 -1, the 0xffffffff of the FlexGEMM write-up).
 MISSING = -1
@@ -29,6 +30,16 @@ def mirrored_signal_offsets(volume: int) -> int:
     the centre. The pairs of offset V - 1 - v are those of v with the roles swapped (the map is
     symmetric), so the rest would repeat them."""
     return volume // 2 + 1
+
+
+def signal_fields(sig_i, sig_o, sig_seg, device, training: bool) -> dict:
+    """ConvPlan's valid_signal fields and for_training: the pairs given, or for an inference
+    plan (training False) none (the schedule was asked for no pairs: any given are None)."""
+    if not training:
+        empty = torch.zeros(0, dtype=torch.int32, device=device)
+        sig_i, sig_o, sig_seg = empty, empty, torch.zeros(1, dtype=torch.int32, device=device)
+    return dict(valid_signal_i=sig_i, valid_signal_o=sig_o, valid_signal_seg=sig_seg,
+                for_training=training)
 
 
 class BlockRuns(Mapping):
@@ -169,6 +180,9 @@ class ConvPlan:
           other offsets mirror these). Used for grad-weight: dW[v] = sum over the pairs of
           offset v of grad_out[o]^T in[i].
     out_coords: int32 [N_out, 4]; for submanifold convolutions the input coords themselves.
+    for_training: False for a plan built for inference (no gradient will be taken): it has no
+          valid_signal pairs (empty, S = 0) and, strided or transposed, no bwd map (bwd None):
+          those cost a third to a half of a build and only backward reads them.
     """
 
     geometry: ConvGeometry
@@ -183,6 +197,7 @@ class ConvPlan:
     valid_signal_i: torch.Tensor
     valid_signal_o: torch.Tensor
     valid_signal_seg: torch.Tensor
+    for_training: bool = True
     version: int = PLAN_FORMAT_VERSION
 
     @property
@@ -193,6 +208,10 @@ class ConvPlan:
     def signal_offsets(self) -> int:
         """S: the offsets valid_signal holds pairs of; those from S on mirror offset V - 1 - v."""
         return self.valid_signal_seg.numel() - 1
+
+    def serves(self, training: bool) -> bool:
+        """Can this plan run a convolution that will (training) or will not be differentiated?"""
+        return self.for_training or not training
 
     @property
     def num_pairs(self) -> int:

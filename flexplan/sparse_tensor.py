@@ -83,8 +83,16 @@ def merge_duplicate_coords(feats: torch.Tensor, coords: torch.Tensor,
     return merged, coords[first[order]]
 
 
-# The key in a tensor's plan dictionary under which the coordinates' identity is kept.
-IDENTITY = "coords_identity"
+class Plans(dict):
+    """The plans of one set of coordinates, by geometry, shared by every tensor over them, and
+    the coordinates' identity for the plan cache (SparseTensor.coords_identity): None until
+    hashed, or given by the layer that produced the coordinates."""
+
+    __slots__ = ("identity",)
+
+    def __init__(self, identity: bytes | None = None):
+        super().__init__()
+        self.identity = identity
 
 
 class SparseTensor:
@@ -129,7 +137,7 @@ class SparseTensor:
         self.batch_size = int(batch_size)
         # Plans for these coords, by geometry; shared with tensors made by replace_feats so that
         # every layer over the same coordinates reuses one plan.
-        self._plans: dict = {}
+        self._plans = Plans()
 
     @property
     def num_voxels(self) -> int:
@@ -156,24 +164,26 @@ class SparseTensor:
         """16 bytes naming these coordinates for the plan cache: hashed once (one host sync),
         or set by the layer that produced them (derived from its input's, no device work).
         Kept with the plans, so every tensor sharing them shares it."""
-        identity = self._plans.get(IDENTITY)
+        identity = self._plans.identity
         if identity is None:
             from .cache.key import coords_identity
 
-            identity = self._plans[IDENTITY] = coords_identity(self.coords)
+            identity = self._plans.identity = coords_identity(self.coords)
         return identity
 
-    def get_plan(self, geometry):
-        """The plan of `geometry` over these coords: built (or found in the plan cache) once."""
+    def get_plan(self, geometry, training: bool = True):
+        """The plan of `geometry` over these coords: built (or found in the plan cache) once.
+        training=False accepts an inference plan (ConvPlan.for_training), cheaper to build; a
+        training plan serves both, and replaces an inference plan when training asks."""
         plan = self._plans.get(geometry)
-        if plan is None:
+        if plan is None or not plan.serves(training):
             from .cache import cached_plan
             from .cache.key import plan_key
 
             key = plan_key(self.coords, self.spatial_shape, self.batch_size, geometry,
-                           self.coords_identity())
+                           self.coords_identity(), training)
             plan = cached_plan(self.coords, self.spatial_shape, self.batch_size, geometry,
-                               check=False, key=key)
+                               check=False, key=key, training=training)
             self._plans[geometry] = plan
         return plan
 

@@ -86,3 +86,50 @@ def test_candidate_slots(kernel, stride, dilation, transposed, slots):
     geom = ConvGeometry.make(kernel, dilation=dilation, stride=stride, submanifold=False,
                              transposed=transposed)
     assert candidate_slots(geom) == slots
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[7]], ids=[IDS[0], IDS[2], IDS[7]])
+def test_inference_plans(case, device):
+    """training=False: the forward parts of the training plan, no bwd map, no pairs; the op
+    refuses to differentiate through it; an inverse conv on it makes its own gather map."""
+    from flexplan.ops import sparse_conv
+    from flexplan.planner.generative import inverse_plan
+
+    shape, geom = case[5], geometry(case)
+    coords = random_coords(int(shape[0] * shape[1] * shape[2] * 0.4), shape, 2,
+                           generator=torch.Generator().manual_seed(7)).to(device)
+    full = build_plan(coords, shape, 2, geom)
+    for backend in ("torch", "triton"):
+        plan = build_plan(coords, shape, 2, geom, backend=backend, training=False)
+        assert not plan.for_training and plan.bwd is None and plan.valid_signal_i.numel() == 0
+        assert torch.equal(plan.out_coords, full.out_coords)
+        for name in ("neighbor_map", "sorted_idx"):
+            assert torch.equal(getattr(plan.fwd, name), getattr(full.fwd, name))
+        for block in full.fwd.block_sizes:
+            assert torch.equal(plan.fwd.valid_kernel[block], full.fwd.valid_kernel[block])
+        inv, inv_full = inverse_plan(plan, coords), inverse_plan(full, coords)
+        assert torch.equal(inv.fwd.neighbor_map, inv_full.fwd.neighbor_map)
+        assert torch.equal(inv.fwd.sorted_idx, inv_full.fwd.sorted_idx)
+        feats = torch.randn(coords.shape[0], 2, dtype=torch.float64, device=device)
+        weight = torch.randn(3, *geom.kernel_size, 2, dtype=torch.float64, device=device)
+        torch.testing.assert_close(sparse_conv(feats, plan, weight), sparse_conv(feats, full, weight))
+        with pytest.raises(RuntimeError, match="inference plan"):
+            sparse_conv(feats.requires_grad_(True), plan, weight).sum().backward()
+
+
+def test_layers_build_inference_plans_under_no_grad(device):
+    import flexplan.nn.spconv as spconv
+
+    coords = random_coords(120, (9, 8, 7), 2, generator=torch.Generator().manual_seed(8)).to(device)
+    net = spconv.SparseSequential(spconv.SubMConv3d(2, 3, 3), spconv.SparseConv3d(
+        3, 3, 3, 2, 1, indice_key="d"), spconv.SparseInverseConv3d(3, 2, 3, indice_key="d"))
+    net = net.double().to(device)
+    feats = torch.randn(coords.shape[0], 2, dtype=torch.float64, device=device)
+    x = spconv.SparseConvTensor(feats, coords, (9, 8, 7), 2)
+    with torch.no_grad():
+        ref = net(x)
+    assert not any(p.for_training for p in x._plans.values() if hasattr(p, "for_training"))
+    out = net(x)  # the same tensor with grad: its plans are upgraded to training plans
+    out.features.sum().backward()
+    assert all(p.for_training for p in x._plans.values() if hasattr(p, "for_training"))
+    torch.testing.assert_close(out.features, ref.features)

@@ -130,14 +130,17 @@ def derived_identity(parent: bytes, spatial_shape, batch_size: int, geometry: Co
 
 
 def plan_key(coords: torch.Tensor, spatial_shape, batch_size: int, geometry: ConvGeometry,
-             identity: bytes | None = None) -> str:
+             identity: bytes | None = None, training: bool = True) -> str:
     """32 hex digits naming the plan of `geometry` over `coords` (any device, same key).
-    identity: coords_identity(coords) or a derived_identity, when the caller has it."""
+    identity: coords_identity(coords) or a derived_identity, when the caller has it.
+    training: False names the inference plan (ConvPlan.for_training), a plan of its own."""
     scalars = {
         "plan_version": PLAN_FORMAT_VERSION, "file_version": FILE_FORMAT_VERSION,
         "coords": [str(coords.dtype), list(coords.shape)], "batch_size": int(batch_size),
         "spatial_shape": [int(s) for s in spatial_shape], "geometry": asdict(geometry),
     }
+    if not training:
+        scalars["inference"] = True
     h = hashlib.blake2b(json.dumps(scalars, sort_keys=True).encode(), digest_size=16)
     h.update(coords_identity(coords) if identity is None else identity)
     return h.hexdigest()

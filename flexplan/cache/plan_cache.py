@@ -49,9 +49,10 @@ def _check_layout(coords) -> None:
                                 f"{tuple(getattr(coords, 'shape', ()))}")
 
 
-def _matches(plan: ConvPlan, coords, spatial_shape, batch_size, geometry) -> bool:
+def _matches(plan: ConvPlan, coords, spatial_shape, batch_size, geometry, training=True) -> bool:
     """Does a loaded plan belong to this request? Guards against key collisions."""
     if (plan.geometry != geometry or plan.batch_size != batch_size or plan.num_in != coords.shape[0]
+            or plan.for_training != training
             or tuple(plan.in_spatial_shape) != tuple(spatial_shape)):
         return False
     # Submanifold plans carry their input coords: compare them exactly (cheap next to a load).
@@ -158,14 +159,15 @@ class PlanCache:
             self.admission.clear()
 
     # ---- lookups -------------------------------------------------------------------------
-    def key(self, coords, spatial_shape, batch_size, geometry) -> str:
+    def key(self, coords, spatial_shape, batch_size, geometry, training: bool = True) -> str:
         _check_layout(coords)
         start = time.perf_counter()
-        key = plan_key(coords, triple(spatial_shape, "spatial_shape"), batch_size, geometry)
+        key = plan_key(coords, triple(spatial_shape, "spatial_shape"), batch_size, geometry,
+                       training=training)
         self._count("keys", time.perf_counter() - start)
         return key
 
-    def _load(self, key, coords, shape, batch_size, geometry, locked: bool):
+    def _load(self, key, coords, shape, batch_size, geometry, locked: bool, training: bool = True):
         """(plan, None) from disk, or (None, why): "absent", "skipped" (rebuilding is faster
         here), "bad" (corrupt or foreign file; removed with a warning when locked)."""
         disk, device = self.disk, coords.device
@@ -193,7 +195,7 @@ class PlanCache:
             return None, "skipped"
         _sync(device)
         seconds = time.perf_counter() - start
-        if not _matches(plan, coords, shape, batch_size, geometry):
+        if not _matches(plan, coords, shape, batch_size, geometry, training):
             self._count("collisions")  # the build below overwrites it
             return None, "bad"
         self.policy.record_load(device.type, file_bytes[0], seconds)
@@ -235,7 +237,8 @@ class PlanCache:
                 self.admission.record(key)  # a file to find: auto processes should look
         return key
 
-    def _build(self, key, coords, shape, batch_size, geometry, backend, store: bool) -> ConvPlan:
+    def _build(self, key, coords, shape, batch_size, geometry, backend, store: bool,
+               training: bool = True) -> ConvPlan:
         from ..planner import build_plan
 
         self._count("misses")
@@ -244,7 +247,8 @@ class PlanCache:
         # rate build_beats_any_load compares). A fresh-coordinate job's builds then overlap.
         timed = store or self.policy.build_s_per_unit.get(coords.device.type) is None
         start = time.perf_counter()
-        plan = build_plan(coords, shape, batch_size, geometry, backend=backend, check=False)
+        plan = build_plan(coords, shape, batch_size, geometry, backend=backend, check=False,
+                          training=training)
         if timed:
             _sync(coords.device)
             seconds = time.perf_counter() - start
@@ -260,34 +264,39 @@ class PlanCache:
         return plan
 
     def get_or_build(self, coords, spatial_shape, batch_size: int, geometry: ConvGeometry, *,
-                     backend: str = "auto", check: bool = True, key: str | None = None) -> ConvPlan:
+                     backend: str = "auto", check: bool = True, key: str | None = None,
+                     training: bool = True) -> ConvPlan:
         """The plan of `geometry` over `coords`: from memory, from disk, or built (once across
         processes sharing the directory) and cached. In mode auto a key's first sighting builds
         and keeps the plan in memory only; the disk is for keys that come back.
-        key: the plan's key if the caller derived it (the coordinates are then not hashed)."""
+        key: the plan's key if the caller derived it (the coordinates are then not hashed).
+        training: False asks for an inference plan (ConvPlan.for_training; its own key)."""
         _check_layout(coords)
         shape = triple(spatial_shape, "spatial_shape")
         if check:
             check_coords(coords, shape, batch_size)
-        key = _given_key(key) if key is not None else self.key(coords, shape, batch_size, geometry)
+        key = (_given_key(key) if key is not None
+               else self.key(coords, shape, batch_size, geometry, training))
         plan = self._memory_get(key, coords.device)
         if plan is not None:
             return plan
         args = (key, coords, shape, batch_size, geometry)
+        kind = dict(training=training)
         work = coords.shape[0] * geometry.volume
         if self.policy.mode == "never" or self.policy.build_beats_any_load(coords.device.type, work):
-            return self._build(*args, backend, store=False)
+            return self._build(*args, backend, store=False, **kind)
         if self.policy.mode == "auto" and not self.admission.seen_before(key):
             self._count("first_sightings")  # likely never back: no file read, no lock, no write
-            return self._build(*args, backend, store=False)
-        plan, why = self._load(*args, locked=False)
+            return self._build(*args, backend, store=False, **kind)
+        plan, why = self._load(*args, locked=False, **kind)
         if plan is not None:
             return plan
         if why == "skipped":  # on disk already, but rebuilding is faster here
-            return self._build(*args, backend, store=False)
+            return self._build(*args, backend, store=False, **kind)
         with self.disk.build_lock(key):
-            plan, why = self._load(*args, locked=True)  # the previous holder may have stored it
-            return plan if plan is not None else self._build(*args, backend, store=why != "skipped")
+            plan, why = self._load(*args, locked=True, **kind)  # the previous holder may have stored it
+            return plan if plan is not None else self._build(*args, backend,
+                                                             store=why != "skipped", **kind)
 
     # ---- shipping plans with a model -----------------------------------------------------
     def save_plans(self, directory: str | os.PathLike,

@@ -17,7 +17,7 @@ import torch
 from ..geometry import triple
 from ..plan import ConvPlan
 from ..planner.generative import inverse_plan
-from ..sparse_tensor import SparseTensor, SparseTensorError
+from ..sparse_tensor import Plans, SparseTensor, SparseTensorError
 
 
 @dataclass(eq=False)
@@ -76,7 +76,7 @@ class SparseConvTensor(SparseTensor):
     @indices.setter
     def indices(self, value: torch.Tensor) -> None:
         self.coords = value
-        self._plans = {}
+        self._plans = Plans()
 
     @property
     def spatial_shape(self) -> tuple[int, int, int]:
@@ -85,7 +85,7 @@ class SparseConvTensor(SparseTensor):
     @spatial_shape.setter
     def spatial_shape(self, value) -> None:
         self._spatial_shape = triple(value, "spatial_shape")
-        self._plans = {}
+        self._plans = Plans()
 
     @classmethod
     def from_dense(cls, x: torch.Tensor) -> "SparseConvTensor":

@@ -19,7 +19,7 @@ from ..geometry import ConvGeometry, triple
 from ..kernel_configs import ALGORITHMS
 from ..cache.key import derived_identity
 from ..ops.sparse_conv import sparse_conv
-from ..sparse_tensor import IDENTITY
+from ..sparse_tensor import Plans
 from .sparse_conv_tensor import IndiceData, SparseConvTensor
 from .submconv import SubMConv3d as _SubMConv3d
 
@@ -134,10 +134,10 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
                                  f"indice_key {self.indice_key!r}")
             plan, plans, indice_dict = data.inverse_plan, data.in_plans, x.indice_dict
         else:
-            plan = x.get_plan(self.geometry)
+            plan = x.get_plan(self.geometry, training=torch.is_grad_enabled())
             # The output coords are named from the input's: never hashed.
-            plans = {IDENTITY: derived_identity(x.coords_identity(), x.spatial_shape,
-                                                x.batch_size, self.geometry)}
+            plans = Plans(derived_identity(x.coords_identity(), x.spatial_shape, x.batch_size,
+                                           self.geometry))
             indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
                 plan.out_coords, x.indices, x.spatial_shape, plan.out_spatial_shape,
                 is_subm=False, plan=plan, in_plans=x._plans))
@@ -200,5 +200,5 @@ class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
         out = super().forward(x)
         out.indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
             x.indices, x.indices, x.spatial_shape, x.spatial_shape, is_subm=True,
-            plan=x.get_plan(self.geometry), in_plans=x._plans))
+            plan=x.get_plan(self.geometry, training=torch.is_grad_enabled()), in_plans=x._plans))
         return out

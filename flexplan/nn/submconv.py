@@ -41,7 +41,8 @@ class SubMConv3d(torch.nn.Module):
     def forward(self, x: SparseTensor) -> SparseTensor:
         if not isinstance(x, SparseTensor):
             raise TypeError(f"SubMConv3d expects a SparseTensor, got {type(x).__name__}")
-        plan = x.get_plan(self.geometry)
+        # Under no_grad / inference_mode nothing will be differentiated: an inference plan.
+        plan = x.get_plan(self.geometry, training=torch.is_grad_enabled())
         feats = sparse_conv(x.feats, plan, self.weight, self.bias, self.algo, self.allow_tf32)
         return x.replace_feats(feats)
 

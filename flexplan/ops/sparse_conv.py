@@ -210,6 +210,10 @@ class SparseConvFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         feats, weight = ctx.saved_tensors
         plan, algo, allow_tf32 = ctx.plan, ctx.algo, ctx.allow_tf32
+        if not plan.for_training:
+            raise RuntimeError("this convolution ran on an inference plan (built with "
+                               "training=False, e.g. under torch.no_grad), which has no backward "
+                               "parts: build the plan with training=True to differentiate")
         co, v, ci = weight.shape
         dtype = _dtype_name(feats.dtype, allow_tf32)
         grad_out = grad_out.contiguous()

@@ -7,7 +7,7 @@ import torch
 
 from ..geometry import ConvGeometry, triple
 from ..kernel_configs import PLAN_BLOCK_SIZES
-from ..plan import ConvPlan, mirrored_signal_offsets
+from ..plan import ConvPlan, mirrored_signal_offsets, signal_fields
 from ..sparse_tensor import check_coords, check_coords_layout, raise_coords_problems
 from .generative import generative_plan, output_spatial_shape
 from .generative_triton import generative_plan_triton
@@ -20,12 +20,14 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: int,
-               geometry: ConvGeometry, *, backend: str = "auto", check: bool = True) -> ConvPlan:
+               geometry: ConvGeometry, *, backend: str = "auto", check: bool = True,
+               training: bool = True) -> ConvPlan:
     """Build the execution plan of one sparse convolution over `coords`.
 
     backend: "triton" (GPU hash table), "torch" (sort + searchsorted; the CPU path and test
     oracle) or "auto" (Triton on a GPU, torch elsewhere). Both give identical plans.
     check: validate coords (range, duplicates) first; pass False for coords already checked.
+    training: False builds an inference plan (ConvPlan.for_training): no backward parts.
     The Triton path checks within the build (its hash inserts see both problems) and reads the
     verdict in the build's one host sync, raising the same errors as check_coords.
     """
@@ -38,10 +40,10 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
         if check:
             check_coords(coords, shape, batch_size)
         if backend == "torch" or coords.shape[0] == 0:
-            return generative_plan(coords, shape, batch_size, geometry)
+            return generative_plan(coords, shape, batch_size, geometry, training)
         return generative_plan_triton(coords, shape, output_spatial_shape(shape, geometry),
-                                      batch_size, geometry)
-    signal_offsets = mirrored_signal_offsets(geometry.volume)
+                                      batch_size, geometry, training)
+    signal_offsets = mirrored_signal_offsets(geometry.volume) if training else 0
     if backend == "torch":
         if check:
             check_coords(coords, shape, batch_size)
@@ -55,7 +57,7 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
         layout = schedule_layout(coords.shape[0], geometry.volume, PLAN_BLOCK_SIZES, signal_offsets)
         nmap, problems = submanifold_neighbor_map_triton(coords, shape, batch_size, geometry,
                                                          spare_slots=layout.readback_slots)
-    fwd, (sig_i, sig_o, sig_seg), flag_values = plan_schedule(
+    fwd, signal, flag_values = plan_schedule(
         nmap, PLAN_BLOCK_SIZES, backend, readback=problems,
         num_flags=0 if problems is None else PROBLEM_SLOTS,
         signal_offsets=signal_offsets, layout=layout)
@@ -65,4 +67,4 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
     return ConvPlan(
         geometry=geometry, batch_size=batch_size, in_spatial_shape=shape, out_spatial_shape=shape,
         num_in=coords.shape[0], num_out=coords.shape[0], out_coords=coords,
-        fwd=fwd, bwd=None, valid_signal_i=sig_i, valid_signal_o=sig_o, valid_signal_seg=sig_seg)
+        fwd=fwd, bwd=None, **signal_fields(*(signal or (None,) * 3), coords.device, training))

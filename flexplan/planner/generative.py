@@ -16,7 +16,7 @@ import torch
 
 from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
-from ..plan import MISSING, ConvPlan
+from ..plan import MISSING, ConvPlan, signal_fields
 from .keys import pack_coords, unpack_keys
 from .offsets import kernel_offsets
 from .segments import gather_map, plan_schedule
@@ -64,10 +64,11 @@ def _candidates(coords: torch.Tensor, geometry: ConvGeometry, out_shape) -> tupl
 
 
 def generative_plan(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batch_size: int,
-                    geometry: ConvGeometry) -> ConvPlan:
+                    geometry: ConvGeometry, training: bool = True) -> ConvPlan:
     """Plan of a strided or transposed convolution (geometry.submanifold is False).
 
-    Output coords are the distinct candidates in ascending (b, x, y, z) order.
+    Output coords are the distinct candidates in ascending (b, x, y, z) order. training=False:
+    an inference plan (no bwd map, no valid_signal pairs).
     """
     if geometry.submanifold:
         raise ValueError("generative_plan is for non-submanifold geometries")
@@ -78,15 +79,31 @@ def generative_plan(coords: torch.Tensor, spatial_shape: tuple[int, int, int], b
     n_in, n_out, v = coords.shape[0], out_keys.numel(), geometry.volume
     fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=coords.device)
     fwd[out_rows, taps] = rows.to(torch.int32)
-    bwd = torch.full((n_in, v), MISSING, dtype=torch.int32, device=coords.device)
-    bwd[rows, taps] = out_rows.to(torch.int32)
-    fwd_map, (sig_i, sig_o, sig_seg), _ = plan_schedule(fwd, PLAN_BLOCK_SIZES)
+    bwd_map = None
+    if training:
+        bwd = torch.full((n_in, v), MISSING, dtype=torch.int32, device=coords.device)
+        bwd[rows, taps] = out_rows.to(torch.int32)
+        bwd_map = gather_map(bwd, PLAN_BLOCK_SIZES)
+    fwd_map, signal, _ = plan_schedule(fwd, PLAN_BLOCK_SIZES, signal_offsets=v if training else 0)
     return ConvPlan(
         geometry=geometry, batch_size=batch_size, in_spatial_shape=tuple(spatial_shape),
         out_spatial_shape=out_shape, num_in=n_in, num_out=n_out,
-        out_coords=unpack_keys(out_keys, out_shape), fwd=fwd_map,
-        bwd=gather_map(bwd, PLAN_BLOCK_SIZES),
-        valid_signal_i=sig_i, valid_signal_o=sig_o, valid_signal_seg=sig_seg)
+        out_coords=unpack_keys(out_keys, out_shape), fwd=fwd_map, bwd=bwd_map,
+        **signal_fields(*signal, coords.device, training))
+
+
+def bwd_from_fwd(plan: ConvPlan) -> ConvPlan:
+    """The plan with its bwd map (input rows gather output rows) made from the fwd map, for an
+    inference plan of a strided / transposed conv whose inverse conv needs it. (Each entry
+    fwd[o, v] = i is the entry bwd[i, v] = o.)"""
+    fwd = plan.fwd.neighbor_map
+    n_out, v = fwd.shape
+    # Missing entries write to a spare row past the inputs: no boolean indexing, no host sync.
+    rows = torch.where(fwd == MISSING, plan.num_in, fwd).long()
+    bwd = torch.full((plan.num_in + 1, v), MISSING, dtype=torch.int32, device=fwd.device)
+    bwd[rows, torch.arange(v, device=fwd.device)] = torch.arange(
+        n_out, dtype=torch.int32, device=fwd.device)[:, None].expand(n_out, v)
+    return replace(plan, bwd=gather_map(bwd[:plan.num_in], PLAN_BLOCK_SIZES))
 
 
 def inverse_plan(paired: ConvPlan, paired_in_coords: torch.Tensor) -> ConvPlan:
@@ -97,9 +114,11 @@ def inverse_plan(paired: ConvPlan, paired_in_coords: torch.Tensor) -> ConvPlan:
     transposed convolution of the paired geometry restricted to those coords, so its geometry is
     the paired one with `transposed` flipped.
     """
-    if paired.bwd is None:
+    if paired.geometry.submanifold:
         raise ValueError("inverse convolution needs a strided or transposed paired plan, "
                          "not a submanifold one")
+    if paired.bwd is None:  # an inference plan: its inverse's gather map is made here
+        paired = bwd_from_fwd(paired)
     if paired_in_coords.shape[0] != paired.num_in:
         raise ValueError(f"paired conv had {paired.num_in} inputs, got "
                          f"{paired_in_coords.shape[0]} coords")
@@ -110,4 +129,4 @@ def inverse_plan(paired: ConvPlan, paired_in_coords: torch.Tensor) -> ConvPlan:
         out_spatial_shape=paired.in_spatial_shape, num_in=paired.num_out,
         num_out=paired.num_in, out_coords=paired_in_coords, fwd=paired.bwd, bwd=paired.fwd,
         valid_signal_i=paired.valid_signal_o, valid_signal_o=paired.valid_signal_i,
-        valid_signal_seg=paired.valid_signal_seg)
+        valid_signal_seg=paired.valid_signal_seg, for_training=paired.for_training)

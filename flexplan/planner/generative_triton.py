@@ -24,7 +24,7 @@ from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..kernels_src import plan_generative as kernels
 from ..launcher import cdiv, launch
-from ..plan import MISSING, ConvPlan
+from ..plan import MISSING, ConvPlan, signal_fields
 from .keys import key_dtype
 from .segments_triton import plan_schedule_triton, schedule_layout
 
@@ -55,8 +55,9 @@ def candidate_slots(geometry: ConvGeometry) -> int:
 
 def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
                            out_shape: tuple[int, int, int], batch_size: int,
-                           geometry: ConvGeometry) -> ConvPlan:
-    """The plan of generative.generative_plan on a GPU (coords already checked)."""
+                           geometry: ConvGeometry, training: bool = True) -> ConvPlan:
+    """The plan of generative.generative_plan on a GPU (coords already checked); training=False:
+    an inference plan (no bwd map and schedule, no pairs; the sync reads just the totals)."""
     device = coords.device
     coords = coords.contiguous()
     n, v = coords.shape[0], geometry.volume
@@ -75,8 +76,9 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
     sorted_keys, order = torch.sort(keys)
     del keys
     # The bwd schedule's readback, with the two totals in front (its sync reads them all).
-    layout = schedule_layout(n, v, PLAN_BLOCK_SIZES, 0)
-    readback = torch.full((TOTALS + layout.readback_slots,), -1, dtype=torch.int64, device=device)
+    layout = schedule_layout(n, v, PLAN_BLOCK_SIZES, 0) if training else None
+    readback = torch.full((TOTALS + (layout.readback_slots if training else 0),), -1,
+                          dtype=torch.int64, device=device)
     starts = torch.empty(total, dtype=torch.int32, device=device)
     entries_grid = (cdiv(total, ENTRIES_LAUNCH["BLOCK"]),)
     launch(kernels.run_starts_kernel, entries_grid, sorted_keys, starts, readback, total,
@@ -84,23 +86,28 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
     rank = torch.cumsum(starts, 0, dtype=torch.int32)
     del starts
     readback[:1].copy_(rank[-1:])  # output rows: the last inclusive count
-    bwd = torch.full((n, v), MISSING, dtype=torch.int32, device=device)
     scatter = (sorted_keys, order, rank, taps)
-    launch(kernels.generative_scatter_kernel, entries_grid, *scatter, bwd, bwd, coords, total, n,
-           *out_shape, T=slots, V=v, SENT=sent, WRITE_BWD=True, WRITE_FWD=False, **ENTRIES_LAUNCH)
-    bwd_map, _, (n_out, pairs) = plan_schedule_triton(bwd, PLAN_BLOCK_SIZES, 0, readback,
-                                                      TOTALS, layout)
+    if training:
+        bwd = torch.full((n, v), MISSING, dtype=torch.int32, device=device)
+        launch(kernels.generative_scatter_kernel, entries_grid, *scatter, bwd, bwd, coords, total,
+               n, *out_shape, T=slots, V=v, SENT=sent, WRITE_BWD=True, WRITE_FWD=False,
+               **ENTRIES_LAUNCH)
+        bwd_map, _, (n_out, pairs) = plan_schedule_triton(bwd, PLAN_BLOCK_SIZES, 0, readback,
+                                                          TOTALS, layout)
+    else:
+        bwd_map = None
+        n_out, pairs = readback.tolist()  # the one host sync
     pairs = max(pairs, 0)  # -1: no candidate at all
     fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=device)
     out_coords = torch.empty((n_out, 4), dtype=torch.int32, device=device)
     if pairs:
-        launch(kernels.generative_scatter_kernel, entries_grid, *scatter, bwd, fwd, out_coords,
+        launch(kernels.generative_scatter_kernel, entries_grid, *scatter, fwd, fwd, out_coords,
                total, n, *out_shape, T=slots, V=v, SENT=sent, WRITE_BWD=False, WRITE_FWD=True,
                **ENTRIES_LAUNCH)
     del scatter, sorted_keys, order, rank, taps
-    fwd_map, (sig_i, sig_o, sig_seg), _ = plan_schedule_triton(fwd, PLAN_BLOCK_SIZES, v,
-                                                               pairs_total=pairs)
+    fwd_map, signal, _ = plan_schedule_triton(fwd, PLAN_BLOCK_SIZES, v if training else 0,
+                                              pairs_total=pairs)
     return ConvPlan(
         geometry=geometry, batch_size=batch_size, in_spatial_shape=tuple(spatial_shape),
         out_spatial_shape=out_shape, num_in=n, num_out=n_out, out_coords=out_coords, fwd=fwd_map,
-        bwd=bwd_map, valid_signal_i=sig_i, valid_signal_o=sig_o, valid_signal_seg=sig_seg)
+        bwd=bwd_map, **signal_fields(*(signal or (None,) * 3), device, training))

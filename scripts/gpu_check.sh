@@ -2,6 +2,7 @@
 # GPU tests and benchmarks in one go, on the GPU machine (system python with torch + Triton,
 # no network). Carry .whl (platformdirs) and .peers (spconv, from ../shared/tools/peers-for-gpu.sh).
 # Usage: bash scripts/gpu_check.sh [tests] [planner] [submconv] [cache] [aot] [table] [tuning] [unet]
+#        [e2e]
 #        (no argument: everything). Results land in scripts/results/ and, if set, in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/n
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests planner submconv cache aot table unet)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests planner submconv cache aot table unet e2e)
 status=0
 for step in "${steps[@]}"; do
   echo "=== $step"
@@ -26,6 +27,7 @@ for step in "${steps[@]}"; do
     table)    python3 scripts/bench_table_vs_heuristic.py ;;
     tuning)   python3 scripts/bench_tuning.py ;;  # tunes a table from scratch (minutes)
     unet)     python3 scripts/bench_unet_spconv.py ;;
+    e2e)      python3 scripts/bench_e2e.py ;;  # whole train / inference steps vs spconv
     *) echo "unknown step $step"; false ;;
   esac || status=1
 done

@@ -66,6 +66,26 @@ class KernelConfig:
                     SPLIT=self.splitk > 1, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
+# tl.dot input precision per Problem dtype and backend. float32 without TF32 is "exact": on
+# NVIDIA three TF32 products (a_hi b_hi + a_hi b_lo + a_lo b_hi, Triton's "tf32x3": tensor
+# cores at fp32-grade accuracy, where "ieee" would multiply-add on the CUDA cores); ROCm
+# backends have no tf32x3, so "ieee" there. Other dtypes ignore it: one value, one binary.
+def dot_precision(dtype: str, hip: bool) -> str:
+    if dtype == "tf32":
+        return "tf32"
+    if dtype == "float32":
+        return "ieee" if hip else "tf32x3"
+    return "ieee"
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_is_hip() -> bool:
+    """Is this process's torch a ROCm build (kernels compile for the HIP backend)?"""
+    import torch
+
+    return torch.version.hip is not None
+
+
 @dataclass(frozen=True)
 class Problem:
     """One kernel call to configure, in convolution terms.

@@ -10,8 +10,9 @@ _WIDEN_BF16_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
-def dot_acc(a, b, acc, ALLOW_TF32: tl.constexpr):
-    """acc + a @ b with the accumulator's precision; TF32 tensor cores only when allowed."""
+def dot_acc(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b with the accumulator's precision; float32 operands multiply as PRECISION
+    says (tl.dot's input_precision: "ieee", "tf32" or "tf32x3"; kernel_configs.dot_precision)."""
     if a.dtype == tl.float64:
         # Multiply-adds on the CUDA cores: Triton 3.6 cannot lower a float64 tl.dot for sm_90,
         # and float64 is the correctness path (gradcheck), run with small tiles. (if / else,
@@ -21,8 +22,8 @@ def dot_acc(a, b, acc, ALLOW_TF32: tl.constexpr):
         if _WIDEN_BF16_DOT and a.dtype == tl.bfloat16:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if ALLOW_TF32:
-            acc = tl.dot(a, b, acc, input_precision="tf32")
+        if a.dtype == tl.float32:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         else:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            acc = tl.dot(a, b, acc)
     return acc

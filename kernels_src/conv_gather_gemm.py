@@ -17,7 +17,7 @@ Constexpr switches (each a small, enumerable set, so the AOT build can list them
              sum to out[split] of an [S, M, N] workspace that the caller reduces (and adds bias
              to). The split count comes from the grid, so it costs no compiled variant.
   HAS_BIAS:  add bias[n] (only without SPLIT; bias_ptr is a dummy otherwise).
-  ALLOW_TF32: fp32 inputs go through TF32 tensor cores.
+  PRECISION: how float32 inputs multiply (conv_common.dot_acc): ieee, tf32 or tf32x3.
 
 The weight is [N, V, K] contiguous: the layer weight [Co, V, Ci] for the forward, its transpose
 [Ci, V, Co] for grad-input; either way tiles are K-major, which TF32 tensor cores require.
@@ -41,7 +41,7 @@ def conv_gather_gemm_kernel(
     M, K, N, V,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     MASKED: tl.constexpr, REVERSE_V: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ALLOW_TF32: tl.constexpr, CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -102,7 +102,7 @@ def conv_gather_gemm_kernel(
                     mask=(nbr >= 0)[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(weight_ptr + (offs_n[None, :] * V + w_off) * K + offs_k[:, None],
                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = dot_acc(a, b, acc, ALLOW_TF32)
+        acc = dot_acc(a, b, acc, PRECISION)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
     if not SPLIT:

@@ -22,7 +22,7 @@ def conv_wgrad_kernel(
     grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr, out_ptr,
     CO, CI, V, S,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    ALLOW_TF32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_mn = tl.program_id(0)
     v = tl.program_id(1)
@@ -60,7 +60,7 @@ def conv_wgrad_kernel(
                     mask=p_mask[None, :] & co_mask[:, None], other=0.0)
         b = tl.load(src_ptr + rows_i[:, None] * CI + offs_ci[None, :],
                     mask=p_mask[:, None] & ci_mask[None, :], other=0.0)
-        acc = dot_acc(a, b, acc, ALLOW_TF32)
+        acc = dot_acc(a, b, acc, PRECISION)
 
     out_offs = offs_co[:, None] * (V * CI) + v * CI + offs_ci[None, :]
     out_mask = co_mask[:, None] & ci_mask[None, :]

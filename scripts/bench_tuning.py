@@ -30,7 +30,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from flexplan.kernel_configs import GATHER_GEMM, SCHEDULE_CHUNK, heuristic_config  # noqa: E402
+from flexplan.kernel_configs import (GATHER_GEMM, SCHEDULE_CHUNK, dot_precision,  # noqa: E402
+                                     heuristic_config, runtime_is_hip)
 from flexplan.kernels_src.conv_gather_gemm import conv_gather_gemm_kernel  # noqa: E402
 from flexplan.kernels_src.conv_wgrad import conv_wgrad_kernel  # noqa: E402
 from flexplan.tuning import dispatch  # noqa: E402
@@ -59,22 +60,22 @@ def gather_gemm_splits(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_
                        valid_kernel_ptr, valid_kernel_seg_ptr, out_ptr, M, K, N, V,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT: tl.constexpr, MASKED: tl.constexpr, REVERSE_V: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, ALLOW_TF32: tl.constexpr, CHUNK: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
                        SPLITS: tl.constexpr):
     conv_gather_gemm_kernel(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr,
                             valid_kernel_ptr, valid_kernel_seg_ptr, out_ptr, M, K, N, V,
                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT,
                             MASKED=MASKED, REVERSE_V=REVERSE_V, HAS_BIAS=HAS_BIAS,
-                            ALLOW_TF32=ALLOW_TF32, CHUNK=CHUNK)
+                            PRECISION=PRECISION, CHUNK=CHUNK)
 
 
 @triton.jit
 def wgrad_splits(grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr, out_ptr,
                  CO, CI, V, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT: tl.constexpr, ALLOW_TF32: tl.constexpr, SPLITS: tl.constexpr):
+                 SPLIT: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
     conv_wgrad_kernel(grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr, out_ptr,
                       CO, CI, V, S, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT,
-                      ALLOW_TF32=ALLOW_TF32)
+                      PRECISION=PRECISION)
 
 
 def wrapper_launch(work, part, max_splits):
@@ -83,7 +84,7 @@ def wrapper_launch(work, part, max_splits):
     pre-hook copies that block size's schedule into the buffers the kernel reads (a few KB)."""
     plan, w = work.plan, work.weight
     co, v, ci = w.shape
-    _, allow_tf32 = torch_dtype(work.dtype)
+    precision = dot_precision(work.dtype, runtime_is_hip())
     algo = part_case(work, part).problem.algo
     if part == "wgrad":
         dest = torch.empty((max_splits, co, v, ci), dtype=torch.float32, device=w.device)
@@ -93,7 +94,7 @@ def wrapper_launch(work, part, max_splits):
         def grid(meta):
             return (triton.cdiv(co, meta["BLOCK_M"]) * triton.cdiv(ci, meta["BLOCK_N"]), v,
                     meta["SPLITS"])
-        return wgrad_splits, grid, args, dict(ALLOW_TF32=allow_tf32), None, dest
+        return wgrad_splits, grid, args, dict(PRECISION=precision), None, dest
     gmap, reverse = (plan.fwd, part == "dgrad") if plan.bwd is None or part == "fwd" \
         else (plan.bwd, False)  # as ops.sparse_conv picks them
     src = work.feats if part == "fwd" else work.grad_out
@@ -118,7 +119,7 @@ def wrapper_launch(work, part, max_splits):
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])
-    consts = dict(MASKED=masked, REVERSE_V=reverse, HAS_BIAS=False, ALLOW_TF32=allow_tf32,
+    consts = dict(MASKED=masked, REVERSE_V=reverse, HAS_BIAS=False, PRECISION=precision,
                   CHUNK=SCHEDULE_CHUNK)
     return gather_gemm_splits, grid, args, consts, hook, dest
 

@@ -26,7 +26,7 @@ from ..kernel_configs import (DTYPES, GATHER_GEMM, PLAN_BLOCK_SIZES, WGRAD, Kern
                               choose_algo, heuristic_config)
 from ..launcher import NOT_SPECIALIZED, SPECIALIZED, arg_specialization
 from ..plan import mirrored_signal_offsets
-from .keys import TARGET_SHARED_MEMORY
+from .keys import TARGET_SHARED_MEMORY, TARGETS
 
 # Representative problem sizes: row counts for the configs and algorithms the heuristic picks
 # (no kernel specializes on a row count: the kernels' decorators say do_not_specialize, so one
@@ -181,7 +181,8 @@ def _acc_dtype(dtype: str) -> str:
     return "float64" if dtype == "float64" else "float32"
 
 
-def gather_gemm_variants(problem: Problem, cfg: KernelConfig) -> Iterator[Variant]:
+def gather_gemm_variants(problem: Problem, cfg: KernelConfig,
+                         hip_backends: tuple[bool, ...] = (False, True)) -> Iterator[Variant]:
     """The launches of ops.sparse_conv._gather_gemm for one problem and config."""
     from ..ops.sparse_conv import gather_gemm_constexprs
 
@@ -197,11 +198,13 @@ def gather_gemm_variants(problem: Problem, cfg: KernelConfig) -> Iterator[Varian
     reverses = (True, False) if problem.part == "dgrad" else (False,)
     biases = (True, False) if problem.part == "fwd" and cfg.splitk == 1 else (False,)
     for reverse, bias in itertools.product(reverses, biases):
-        yield make_variant(GATHER_GEMM, values, gather_gemm_constexprs(
-            cfg, masked, reverse, bias, problem.dtype == "tf32"))
+        for hip in hip_backends:
+            yield make_variant(GATHER_GEMM, values, gather_gemm_constexprs(
+                cfg, masked, reverse, bias, problem.dtype, hip))
 
 
-def wgrad_variants(problem: Problem, cfg: KernelConfig) -> Iterator[Variant]:
+def wgrad_variants(problem: Problem, cfg: KernelConfig,
+                   hip_backends: tuple[bool, ...] = (False, True)) -> Iterator[Variant]:
     """The launch of ops.sparse_conv._wgrad for one problem and config."""
     from ..ops.sparse_conv import wgrad_constexprs
 
@@ -210,7 +213,8 @@ def wgrad_variants(problem: Problem, cfg: KernelConfig) -> Iterator[Variant]:
     values = dict(grad_out_ptr=feat, src_ptr=feat, pair_out_ptr=i32, pair_in_ptr=i32,
                   pair_seg_ptr=i32, out_ptr=out, CO=problem.co, CI=problem.ci, V=problem.v,
                   S=mirrored_signal_offsets(problem.v))
-    yield make_variant(WGRAD, values, wgrad_constexprs(cfg, problem.dtype == "tf32"))
+    for hip in hip_backends:
+        yield make_variant(WGRAD, values, wgrad_constexprs(cfg, problem.dtype, hip))
 
 
 def planner_variants() -> Iterator[Variant]:
@@ -322,6 +326,8 @@ def enumerate_variants(kernel_filter: str | None = None, channels: Iterable[int]
                                    im2col_variants()):
         if not kernel_filter or kernel_filter in variant.kernel:
             seen.setdefault(variant, None)
+    # A target's backend decides float32's dot precision (kernel_configs.dot_precision).
+    hip_backends = tuple(sorted({TARGETS[t][0] == "hip" for t in (targets or TARGETS)}))
     sources = config_sources(targets)
     if channels is not None:  # narrowed to these widths: the heuristic over them, nothing else
         sources = [lambda: heuristic_source(channels, targets)]
@@ -330,6 +336,6 @@ def enumerate_variants(kernel_filter: str | None = None, channels: Iterable[int]
             family = problem.family
             if kernel_filter and kernel_filter not in family:
                 continue
-            for variant in _VARIANTS_OF[family](problem, cfg):
+            for variant in _VARIANTS_OF[family](problem, cfg, hip_backends):
                 seen.setdefault(variant, None)
     return list(seen)

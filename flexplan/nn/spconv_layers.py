@@ -87,7 +87,7 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
     def __init__(self, ndim: int, in_channels: int, out_channels: int, kernel_size=3, stride=1,
                  padding=0, dilation=1, groups=1, bias: bool = True, subm: bool = False,
                  output_padding=0, transposed: bool = False, inverse: bool = False,
-                 indice_key=None, algo=None, name=None, *, allow_tf32: bool = False,
+                 indice_key=None, algo=None, name=None, *, allow_tf32: bool | None = False,
                  device=None, dtype=None):
         super().__init__(name)
         if ndim != 3:
@@ -185,7 +185,7 @@ class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
                  groups=1, bias=True, indice_key=None, algo=None, name=None, *,
-                 allow_tf32: bool = False, device=None, dtype=None):
+                 allow_tf32: bool | None = False, device=None, dtype=None):
         if triple(stride, "stride") != (1, 1, 1):
             raise ValueError(f"submanifold convolution has stride 1, got {stride}")
         if groups != 1:

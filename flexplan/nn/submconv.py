@@ -15,11 +15,12 @@ class SubMConv3d(torch.nn.Module):
 
     weight: Parameter [Co, Kx, Ky, Kz, Ci]. The plan comes from x.get_plan(geometry), so all
     layers over the same coordinates and geometry share one plan (built or cached once).
-    algo: "auto" or one of flexplan.kernel_configs.ALGORITHMS; allow_tf32: float32 via TF32.
+    algo: "auto" or one of flexplan.kernel_configs.ALGORITHMS; allow_tf32: float32 via plain
+    TF32 (default: fp32-grade 3xTF32; None follows torch.backends.cudnn.allow_tf32).
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size=3, dilation=1,
-                 bias: bool = True, algo: str = "auto", allow_tf32: bool = False,
+                 bias: bool = True, algo: str = "auto", allow_tf32: bool | None = False,
                  device=None, dtype=None):
         super().__init__()
         self.geometry = ConvGeometry.submanifold_conv(kernel_size, dilation)

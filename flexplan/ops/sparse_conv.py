@@ -21,7 +21,8 @@ import torch
 
 from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, IM2COL_BLOCK_K,
                               IM2COL_BLOCK_M, SCHEDULE_CHUNK, WGRAD, KernelConfig, Problem,
-                              choose_algo, im2col_channel_major_blocks)
+                              choose_algo, dot_precision, im2col_channel_major_blocks,
+                              runtime_is_hip)
 from ..kernels_src.conv_gather_gemm import conv_gather_gemm_kernel
 from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
 from ..kernels_src.conv_wgrad import conv_wgrad_kernel
@@ -57,13 +58,14 @@ def _block_for(gmap: GatherMap, block_m: int) -> int:
 # (which precompiles exactly these variants) both take them from here.
 
 def gather_gemm_constexprs(cfg: KernelConfig, masked: bool, reverse: bool, has_bias: bool,
-                           allow_tf32: bool) -> dict:
+                           dtype: str, hip: bool) -> dict:
+    """dtype: the Problem's (DTYPES); hip: compiled for a ROCm backend."""
     return dict(cfg.launch_kwargs(), MASKED=masked, REVERSE_V=reverse, HAS_BIAS=has_bias,
-                ALLOW_TF32=allow_tf32, CHUNK=SCHEDULE_CHUNK)
+                PRECISION=dot_precision(dtype, hip), CHUNK=SCHEDULE_CHUNK)
 
 
-def wgrad_constexprs(cfg: KernelConfig, allow_tf32: bool) -> dict:
-    return dict(cfg.launch_kwargs(), ALLOW_TF32=allow_tf32)
+def wgrad_constexprs(cfg: KernelConfig, dtype: str, hip: bool) -> dict:
+    return dict(cfg.launch_kwargs(), PRECISION=dot_precision(dtype, hip))
 
 
 # ---------------------------------------------------------------- gather-GEMM (fwd, dgrad)
@@ -102,7 +104,8 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
     launch(conv_gather_gemm_kernel, grid,
            src, w_nvk, bias if has_bias else w_nvk, gmap.sorted_map_t, gmap.sorted_idx,
            gmap.chunk_order, valid_kernel, valid_kernel_seg,
-           dest, m, k, n, v, **gather_gemm_constexprs(cfg, masked, reverse, has_bias, allow_tf32))
+           dest, m, k, n, v, **gather_gemm_constexprs(cfg, masked, reverse, has_bias,
+                                                      problem.dtype, runtime_is_hip()))
     if split:
         total = dest.sum(0)
         if bias is not None:
@@ -176,7 +179,7 @@ def _wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: b
     grid = (cdiv(co, cfg.block_m) * cdiv(ci, cfg.block_n), v, cfg.splitk)
     launch(conv_wgrad_kernel, grid,
            grad_out, src, plan.valid_signal_o, plan.valid_signal_i, plan.valid_signal_seg, dest,
-           co, ci, v, plan.signal_offsets, **wgrad_constexprs(cfg, allow_tf32))
+           co, ci, v, plan.signal_offsets, **wgrad_constexprs(cfg, problem.dtype, runtime_is_hip()))
     return dest.sum(0).to(src.dtype) if cfg.splitk > 1 else dest
 
 
@@ -287,18 +290,24 @@ def _autocast_dtype(feats) -> torch.dtype | None:
 
 def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
                 bias: torch.Tensor | None = None, algo: str = AUTO,
-                allow_tf32: bool = False) -> torch.Tensor:
+                allow_tf32: bool | None = False) -> torch.Tensor:
     """Sparse 3D convolution of feats [N_in, Ci] over `plan`; returns [N_out, Co].
 
     weight: [Co, Kx, Ky, Kz, Ci] (the plan's kernel size); bias: [Co] or None.
-    algo: "auto" or one of ALGORITHMS. allow_tf32: float32 matmuls on TF32 tensor cores
-    (the Triton algorithms; "explicit" follows torch.backends.cuda.matmul).
+    algo: "auto" or one of ALGORITHMS.
+    float32: by default fp32-grade products on tensor cores (3xTF32 on NVIDIA: each operand
+    split into a TF32 high and low part, three TF32 products; IEEE multiply-adds on ROCm).
+    allow_tf32=True opts in to plain TF32 (one product: faster, ~1e-3 relative error), as
+    torch.backends.cudnn.allow_tf32 does for torch's convolutions; None follows that flag.
+    ("explicit" multiplies on torch.mm, which follows torch.backends.cuda.matmul.)
     Accumulates in fp32 (fp64 for float64 inputs).
 
     Under torch.autocast (fp16 or bf16) the op runs like torch's convolutions: feats, weight
     and bias are cast to the autocast dtype (differentiably: an fp32 master weight gets an fp32
     gradient) and the output is in that dtype. Outside autocast, dtypes must match.
     """
+    if allow_tf32 is None:
+        allow_tf32 = torch.backends.cudnn.allow_tf32
     cast = _autocast_dtype(feats)
     if cast is not None:
         feats, weight = feats.to(cast), weight.to(cast)

@@ -74,21 +74,22 @@ def test_first_sighting_touches_no_file_second_writes(tmp_path, monkeypatch, no_
         m.setattr(cache.disk, "store", forbidden)
         m.setattr(disk_module.filelock.FileLock, "acquire", forbidden)
         plan = cache.get_or_build(coords, SHAPE, 2, GEOM)
-        assert cache.get_or_build(coords, SHAPE, 2, GEOM) is plan  # memory hit
     check_conv(plan, coords, 1)
     assert not any(tmp_path.iterdir())  # no plan file, no lock file, the journal still buffered
+    assert len(cache.memory) == 0  # nor a memory entry: the caller holds the plan
     stats = cache.stats()
-    assert stats["first_sightings"] == 1 and stats["builds"] == 1 and stats["memory_hits"] == 1
+    assert stats["first_sightings"] == 1 and stats["builds"] == 1
     assert stats["seen_keys"] == 1 and stats["journal_bytes"] == 0
     cache.admission.flush()
     assert sorted(p.name for p in tmp_path.iterdir()) == [JOURNAL_NAME]
     assert journal_lines(tmp_path) == [key]
 
-    cache.memory.clear()  # evicted, then back: the second sighting goes to disk
-    again = cache.get_or_build(coords, SHAPE, 2, GEOM)
+    again = cache.get_or_build(coords, SHAPE, 2, GEOM)  # the second sighting: disk and memory
     assert_same_plan(plan, again)
+    assert cache.get_or_build(coords, SHAPE, 2, GEOM) is again  # then memory hits
     stats = cache.stats()
     assert stats["first_sightings"] == 1 and stats["builds"] == 2 and stats["disk_writes"] == 1
+    assert stats["memory_hits"] == 1
     assert cache.disk.path(key).exists() and (tmp_path / "locks").is_dir()
     fresh = auto_cache(tmp_path)  # another process: the key is in the journal, the file loads
     assert_same_plan(plan, fresh.get_or_build(coords, SHAPE, 2, GEOM))
@@ -109,7 +110,8 @@ def test_auto_cost_model_still_decides_after_admission(tmp_path):
 def test_memory_hits_do_no_admission_work(tmp_path, monkeypatch):
     coords = make_coords(seed=3)
     cache = auto_cache(tmp_path)
-    plan = cache.get_or_build(coords, SHAPE, 2, GEOM)
+    cache.get_or_build(coords, SHAPE, 2, GEOM)  # first sighting: not kept in memory
+    plan = cache.get_or_build(coords, SHAPE, 2, GEOM)  # second: kept
 
     def forbidden(*args, **kwargs):
         raise AssertionError("admission work on a memory hit")

@@ -12,6 +12,7 @@ N and the geometry and the loader checks them (see format.py and disk.py).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import warnings
@@ -134,13 +135,24 @@ def plan_key(coords: torch.Tensor, spatial_shape, batch_size: int, geometry: Con
     """32 hex digits naming the plan of `geometry` over `coords` (any device, same key).
     identity: coords_identity(coords) or a derived_identity, when the caller has it.
     training: False names the inference plan (ConvPlan.for_training), a plan of its own."""
-    scalars = {
-        "plan_version": PLAN_FORMAT_VERSION, "file_version": FILE_FORMAT_VERSION,
-        "coords": [str(coords.dtype), list(coords.shape)], "batch_size": int(batch_size),
-        "spatial_shape": [int(s) for s in spatial_shape], "geometry": asdict(geometry),
-    }
-    if not training:
-        scalars["inference"] = True
-    h = hashlib.blake2b(json.dumps(scalars, sort_keys=True).encode(), digest_size=16)
+    h = hashlib.blake2b(_scalars_bytes(str(coords.dtype), int(batch_size),
+                                       tuple(int(s) for s in spatial_shape), geometry,
+                                       bool(training)), digest_size=16)
+    h.update(b"".join(int(n).to_bytes(8, "little") for n in coords.shape))
     h.update(coords_identity(coords) if identity is None else identity)
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1024)
+def _scalars_bytes(dtype: str, batch_size: int, spatial_shape: tuple, geometry: ConvGeometry,
+                   training: bool) -> bytes:
+    """The JSON of a key's scalars but the row count: a job has few combinations, so this costs
+    a dict lookup per key instead of dataclass and JSON encoding."""
+    fields = {
+        "plan_version": PLAN_FORMAT_VERSION, "file_version": FILE_FORMAT_VERSION,
+        "coords_dtype": dtype, "batch_size": batch_size,
+        "spatial_shape": list(spatial_shape), "geometry": asdict(geometry),
+    }
+    if not training:
+        fields["inference"] = True
+    return json.dumps(fields, sort_keys=True).encode()

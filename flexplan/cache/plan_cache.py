@@ -238,7 +238,8 @@ class PlanCache:
         return key
 
     def _build(self, key, coords, shape, batch_size, geometry, backend, store: bool,
-               training: bool = True) -> ConvPlan:
+               training: bool = True, keep: bool = True) -> ConvPlan:
+        """Build, count, and cache: on disk (store) and in memory (store or keep)."""
         from ..planner import build_plan
 
         self._count("misses")
@@ -259,7 +260,8 @@ class PlanCache:
         if store:
             self.put(coords, shape, batch_size, geometry, plan, key=key, build_seconds=seconds)
         else:
-            self.memory.put(key, plan)
+            if keep:  # (a first sighting is not kept: it would only fill the LRU and the GPU)
+                self.memory.put(key, plan)
             self._remember(key, plan)
         return plan
 
@@ -286,8 +288,10 @@ class PlanCache:
         if self.policy.mode == "never" or self.policy.build_beats_any_load(coords.device.type, work):
             return self._build(*args, backend, store=False, **kind)
         if self.policy.mode == "auto" and not self.admission.seen_before(key):
-            self._count("first_sightings")  # likely never back: no file read, no lock, no write
-            return self._build(*args, backend, store=False, **kind)
+            # Likely never back: no file read, no lock, no write, no memory entry (the tensor
+            # that asked holds the plan as long as it lives; a second sighting caches it).
+            self._count("first_sightings")
+            return self._build(*args, backend, store=False, keep=False, **kind)
         plan, why = self._load(*args, locked=False, **kind)
         if plan is not None:
             return plan

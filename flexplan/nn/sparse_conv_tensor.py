@@ -106,10 +106,14 @@ class SparseConvTensor(SparseTensor):
     replace_feats = replace_feature  # what flexplan's own layers call
 
     def _derived(self, features, indices, spatial_shape, indice_dict, plans) -> "SparseConvTensor":
-        out = SparseConvTensor(features, indices, spatial_shape, self.batch_size, self.grid,
-                               self.voxel_num, indice_dict, self.benchmark, check=False)
-        out.benchmark_record = self.benchmark_record
-        out._plans = plans
+        """A tensor of this one's kind made by a layer: its parts come from flexplan (features
+        of the right rows, indices and grid of a plan), so nothing is validated again (every
+        layer makes one or two: the checks' host time would add up)."""
+        out = object.__new__(SparseConvTensor)
+        out.feats, out.coords, out._spatial_shape = features, indices, spatial_shape
+        out.batch_size, out._plans, out.indice_dict = self.batch_size, plans, indice_dict
+        out.grid, out.voxel_num, out.force_algo = self.grid, self.voxel_num, self.force_algo
+        out.benchmark, out.benchmark_record = self.benchmark, self.benchmark_record
         return out
 
     def shadow_copy(self) -> "SparseConvTensor":

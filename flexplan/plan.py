@@ -88,6 +88,77 @@ def _read_only(mapping: Mapping) -> Mapping:
     return mapping if isinstance(mapping, BlockRuns) else MappingProxyType(dict(mapping))
 
 
+# GatherMap's derived views. Each is one Triton launch (kernels_src/plan_views.py) where the
+# launcher can run kernels (CUDA tensors, or any under TRITON_INTERPRET=1), else the torch
+# expression, which is also the kernels' oracle. A plan derives them once per map, every step
+# for a job with new coordinates, and those steps are host-bound: the torch expressions take 3
+# device operations (sorted_map_t) and a sort of a dozen, over 100 us of host time
+# (chunk_order); a launch takes a few microseconds. The AOT registry reads these settings.
+SORTED_MAP_T_LAUNCH = dict(BLOCK=128, V_TILE=32, num_warps=4)
+CHUNK_ORDER_LAUNCH = dict(TILE=128, num_warps=4)
+
+
+def sorted_map_t_torch(neighbor_map: torch.Tensor, sorted_idx: torch.Tensor) -> torch.Tensor:
+    """[V, M]: entry (v, i) is neighbor_map[sorted_idx[i], v]."""
+    return neighbor_map[sorted_idx.long()].t().contiguous()
+
+
+def chunk_order_torch(sorted_idx: torch.Tensor, chunk: int = SCHEDULE_CHUNK) -> torch.Tensor:
+    """int32 [ceil(M / chunk)]: the full chunks of `chunk` sorted rows by ascending first row,
+    then a partial last chunk."""
+    m = sorted_idx.shape[0]
+    full = m // chunk
+    # int32 keys (rows): half the radix passes of int64; distinct, so any sort is stable.
+    firsts = sorted_idx[:full * chunk:chunk].contiguous()
+    order = torch.sort(firsts)[1].to(torch.int32)
+    if m % chunk:
+        order = torch.cat([order, order.new_full((1,), full)])
+    return order
+
+
+def _kernels():
+    from .kernels_src import plan_views
+
+    return plan_views
+
+
+def kernels_run_on(t: torch.Tensor) -> bool:
+    """Can launcher.launch run a kernel on t: a CUDA (or ROCm) tensor, or any tensor while the
+    kernels are the interpreter's (TRITON_INTERPRET=1, as the launcher tells them apart)."""
+    if t.is_cuda:
+        return True
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(_kernels().sorted_map_t_kernel, JITFunction)
+
+
+def sorted_map_t_triton(neighbor_map: torch.Tensor, sorted_idx: torch.Tensor) -> torch.Tensor:
+    """sorted_map_t_torch in one launch."""
+    from . import launcher  # (its launch looked up per call: tests record launches there)
+
+    m, v = neighbor_map.shape
+    out = torch.empty((v, m), dtype=neighbor_map.dtype, device=neighbor_map.device)
+    if m:
+        block = SORTED_MAP_T_LAUNCH["BLOCK"]
+        launcher.launch(_kernels().sorted_map_t_kernel, (-(-m // block),),
+                        neighbor_map.contiguous(), sorted_idx.contiguous(), out, m, v,
+                        **SORTED_MAP_T_LAUNCH)
+    return out
+
+
+def chunk_order_triton(sorted_idx: torch.Tensor, chunk: int = SCHEDULE_CHUNK) -> torch.Tensor:
+    """chunk_order_torch in one launch."""
+    from . import launcher
+
+    m = sorted_idx.shape[0]
+    chunks = -(-m // chunk)
+    order = torch.empty(chunks, dtype=torch.int32, device=sorted_idx.device)
+    if chunks:
+        launcher.launch(_kernels().chunk_order_kernel, (-(-chunks // CHUNK_ORDER_LAUNCH["TILE"]),),
+                        sorted_idx.contiguous(), order, m, CHUNK=chunk, **CHUNK_ORDER_LAUNCH)
+    return order
+
+
 @dataclass(frozen=True)
 class GatherMap:
     """Rows of one side gather rows of the other side, one column per kernel offset.
@@ -118,8 +189,12 @@ class GatherMap:
     def sorted_map_t(self) -> torch.Tensor:
         """int32 [V, M]: entry (v, i) is neighbor_map[sorted_idx[i], v], the layout the gather
         kernels read (one offset's neighbours of a block of sorted rows are contiguous).
-        Derived on first use and kept with the plan object, not written to plan files."""
-        return self.neighbor_map[self.sorted_idx.long()].t().contiguous()
+        Derived on first use (one launch: sorted_map_t_triton) and kept with the plan object,
+        not written to plan files."""
+        nmap, idx = self.neighbor_map, self.sorted_idx
+        if kernels_run_on(nmap):
+            return sorted_map_t_triton(nmap, idx)
+        return sorted_map_t_torch(nmap, idx)
 
     @functools.cached_property
     def chunk_order(self) -> torch.Tensor:
@@ -131,15 +206,12 @@ class GatherMap:
         same time: rows come in spatial order from voxelization, sorted coords and strided plans
         (torch.unique), so their neighbours are shared and stay in L2 (H100 gather-GEMM 5-22%
         faster at R = 512-1024, C = 32-128, than in Gray order, which runs one mask class at a
-        time across the whole grid). Derived on first use, like sorted_map_t."""
-        m = self.num_rows
-        full = m // SCHEDULE_CHUNK
-        # int32 keys (rows): half the radix passes of int64; distinct, so any sort is stable.
-        firsts = self.sorted_idx[:full * SCHEDULE_CHUNK:SCHEDULE_CHUNK].contiguous()
-        order = torch.sort(firsts)[1].to(torch.int32)
-        if m % SCHEDULE_CHUNK:
-            order = torch.cat([order, order.new_full((1,), full)])
-        return order
+        time across the whole grid). Derived on first use (one launch: chunk_order_triton),
+        like sorted_map_t."""
+        idx = self.sorted_idx
+        if kernels_run_on(idx):
+            return chunk_order_triton(idx)
+        return chunk_order_torch(idx)
 
     def kernel_offsets(self, block: int) -> torch.Tensor:
         """valid_kernel[block] for a kernel that reads it through valid_kernel_seg: possibly

@@ -10,9 +10,10 @@ Configs: `config_sources()` — the heuristic config of every representative pro
 (REP_ROWS x REP_CHANNEL_PAIRS x dtype x part, with the algorithm "auto" picks, on each target's
 shared memory size), the configs of the tuner's shipped tables
 (flexplan.tuning.aot.shipped_configs), and any source registered with `add_config_source`.
-Arguments are given by parameter name and mirror the launches in flexplan/ops/sparse_conv.py and
-flexplan/planner/ (hashmap, segments_triton, generative_triton); tests/test_aot.py records the
-real ops' launches and checks the registry reproduces them.
+Arguments are given by parameter name and mirror the launches in flexplan/ops/sparse_conv.py,
+flexplan/planner/ (hashmap, segments_triton, generative_triton) and flexplan/plan.py (the gather
+maps' views); tests/test_aot.py records the real ops' launches and checks the registry
+reproduces them.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ HASH_INSERT, HASH_SUBM_NMAP = "hash_insert", "submanifold_neighbor_map"
 SEGMENT_KERNELS = ("gray_rank", "schedule_offsets", "pairs")
 PLAN_HASH = "plan_hash"
 GENERATIVE_KERNELS = ("generative_candidates", "run_starts", "generative_scatter")
+VIEW_KERNELS = ("sorted_map_t", "chunk_order")
 IM2COL, IM2COL_CHANNEL_MAJOR = "im2col", "im2col_channel_major"
 # Kernels: short name -> "module:attribute" in KERNEL_PACKAGE.
 KERNELS = {
@@ -63,6 +65,7 @@ KERNELS = {
     **{name: f"plan_segments:{name}_kernel" for name in SEGMENT_KERNELS},
     PLAN_HASH: "plan_hash:plan_hash_kernel",
     **{name: f"plan_generative:{name}_kernel" for name in GENERATIVE_KERNELS},
+    **{name: f"plan_views:{name}_kernel" for name in VIEW_KERNELS},
     IM2COL: "conv_im2col:im2col_kernel",
     IM2COL_CHANNEL_MAJOR: "conv_im2col:im2col_channel_major_kernel",
 }
@@ -297,6 +300,19 @@ def generative_variants() -> Iterator[Variant]:
                                                       **gen.ENTRIES_LAUNCH))
 
 
+def view_variants() -> Iterator[Variant]:
+    """The launches of GatherMap.sorted_map_t and GatherMap.chunk_order (flexplan/plan.py): one
+    specialization each (rows, volume and the places of sorted_idx are not specialized)."""
+    from ..kernel_configs import SCHEDULE_CHUNK
+    from ..plan import CHUNK_ORDER_LAUNCH, SORTED_MAP_T_LAUNCH
+
+    i32, m = ("tensor", "int32"), REP_ROWS[0]
+    yield make_variant("sorted_map_t", dict(nmap=i32, sorted_idx=i32, out=i32, m=m, V=REP_VOLUMES[0]),
+                       SORTED_MAP_T_LAUNCH)
+    yield make_variant("chunk_order", dict(sorted_idx=i32, order=i32, m=m),
+                       dict(CHUNK=SCHEDULE_CHUNK, **CHUNK_ORDER_LAUNCH))
+
+
 def im2col_variants() -> Iterator[Variant]:
     """The launches of ops.sparse_conv._im2col_chunks (the explicit algorithm's gathers), for
     every feature dtype; their tiles are fixed, so rows and channels only vary the int classes."""
@@ -323,7 +339,7 @@ def enumerate_variants(kernel_filter: str | None = None, channels: Iterable[int]
     kernel_filter keeps the kernels whose short name contains it."""
     seen: dict[Variant, None] = {}
     for variant in itertools.chain(planner_variants(), segment_variants(), generative_variants(),
-                                   im2col_variants()):
+                                   view_variants(), im2col_variants()):
         if not kernel_filter or kernel_filter in variant.kernel:
             seen.setdefault(variant, None)
     # A target's backend decides float32's dot precision (kernel_configs.dot_precision).

@@ -1,0 +1,105 @@
+"""GatherMap's derived views (sorted_map_t, chunk_order) from their one-launch kernels
+(kernels_src/plan_views.py) equal the torch expressions, for any row count (none, fewer than a
+chunk, around chunk boundaries, many tiles of chunks) and volume; GatherMap uses the kernels
+wherever the launcher can run them. On the CPU the kernels run through the interpreter."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexplan import launcher
+from flexplan.kernel_configs import SCHEDULE_CHUNK
+from flexplan.plan import (CHUNK_ORDER_LAUNCH, GatherMap, chunk_order_torch, chunk_order_triton,
+                           kernels_run_on, sorted_map_t_torch, sorted_map_t_triton)
+
+ROWS = (0, 1, 511, 512, 513, 5000)
+VOLUMES = (1, 8, 27)
+
+
+@pytest.fixture
+def kernel_device(device):
+    if not kernels_run_on(torch.zeros(0, device=device)):
+        pytest.skip("kernels need a GPU or TRITON_INTERPRET=1")
+    return device
+
+
+def _case(m: int, v: int, seed: int, device):
+    """A random [m, v] map (about a third MISSING) and a random row order."""
+    gen = torch.Generator().manual_seed(seed)
+    nmap = torch.randint(0, max(m, 1), (m, v), generator=gen, dtype=torch.int32)
+    nmap[torch.rand(m, v, generator=gen) < 0.3] = -1
+    order = torch.randperm(m, generator=gen).to(torch.int32)
+    return nmap.to(device), order.to(device)
+
+
+@pytest.mark.parametrize("v", VOLUMES)
+def test_sorted_map_t_kernel_is_the_torch_expression(v, kernel_device):
+    for m in ROWS:
+        nmap, order = _case(m, v, seed=m + v, device=kernel_device)
+        got = sorted_map_t_triton(nmap, order)
+        want = sorted_map_t_torch(nmap, order)
+        assert got.shape == want.shape == (v, m) and got.dtype == want.dtype == torch.int32
+        assert got.is_contiguous() and torch.equal(got, want), (m, v)
+
+
+# SCHEDULE_CHUNK, the brief's 512, and 16: 312 chunks at 5000 rows, over several tiles of chunks
+# both ways (programs, and the comparison loop).
+@pytest.mark.parametrize("chunk", sorted({SCHEDULE_CHUNK, 512, 16}))
+def test_chunk_order_kernel_is_the_torch_expression(chunk, kernel_device):
+    assert -(-5000 // 16) > 2 * CHUNK_ORDER_LAUNCH["TILE"]
+    for m in ROWS + (chunk - 1, chunk, chunk + 1, 2 * chunk):
+        _, order = _case(m, 0, seed=m, device=kernel_device)
+        for rows in (order, torch.arange(m, dtype=torch.int32, device=kernel_device),
+                     torch.arange(m - 1, -1, -1, dtype=torch.int32, device=kernel_device)):
+            got, want = chunk_order_triton(rows, chunk), chunk_order_torch(rows, chunk)
+            assert got.dtype == want.dtype == torch.int32 and got.shape == (-(-m // chunk),)
+            assert torch.equal(got, want), (m, chunk, got.tolist(), want.tolist())
+
+
+def test_gather_map_derives_its_views_in_one_launch_each(kernel_device, monkeypatch):
+    launched = []
+    real_launch = launcher.launch
+
+    def recording_launch(kernel, grid, *args, **constexprs):
+        launched.append(launcher.jit_function(kernel).fn.__name__)
+        return real_launch(kernel, grid, *args, **constexprs)
+
+    monkeypatch.setattr(launcher, "launch", recording_launch)
+    for m in (0, 700):
+        nmap, order = _case(m, 27, seed=3, device=kernel_device)
+        gmap = GatherMap(nmap, order, {}, {})
+        launched.clear()
+        assert torch.equal(gmap.sorted_map_t, sorted_map_t_torch(nmap, order))
+        assert torch.equal(gmap.chunk_order, chunk_order_torch(order))
+        assert gmap.sorted_map_t is gmap.sorted_map_t and gmap.chunk_order is gmap.chunk_order
+        assert launched == (["sorted_map_t_kernel", "chunk_order_kernel"] if m else []), launched
+        assert gmap.sorted_map_t.shape == (27, m)
+
+
+def test_row_counts_make_no_new_launch_class(kernel_device, monkeypatch):
+    """Sizes are not specialized: every row count is one call class per kernel."""
+    keys = set()
+    real_launch = launcher.launch
+
+    def recording_launch(kernel, grid, *args, **constexprs):
+        keys.add(launcher._call_key(kernel, 0, args, constexprs))
+        return real_launch(kernel, grid, *args, **constexprs)
+
+    monkeypatch.setattr(launcher, "launch", recording_launch)
+    for m, v in ((1, 27), (16, 8), (513, 27), (1024, 1)):
+        nmap, order = _case(m, v, seed=m, device=kernel_device)
+        sorted_map_t_triton(nmap, order)
+        chunk_order_triton(order)
+    assert len(keys) == 2, keys
+
+
+def test_cpu_maps_without_the_interpreter_use_torch(monkeypatch):
+    import flexplan.plan as plan
+
+    monkeypatch.setattr(plan, "kernels_run_on", lambda t: False)
+    monkeypatch.setattr(plan, "sorted_map_t_triton", None)  # would raise if called
+    monkeypatch.setattr(plan, "chunk_order_triton", None)
+    nmap, order = _case(300, 8, seed=1, device="cpu")
+    gmap = GatherMap(nmap, order, {}, {})
+    assert torch.equal(gmap.sorted_map_t, nmap[order.long()].t())
+    assert gmap.chunk_order.tolist() == chunk_order_torch(order).tolist()

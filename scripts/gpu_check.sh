@@ -28,6 +28,7 @@ for step in "${steps[@]}"; do
     tuning)   python3 scripts/bench_tuning.py ;;  # tunes a table from scratch (minutes)
     unet)     python3 scripts/bench_unet_spconv.py ;;
     e2e)      python3 scripts/bench_e2e.py ;;  # whole train / inference steps vs spconv
+    layers)   python3 scripts/bench_layers.py ;;  # the e2e encoder's layer shapes vs spconv, every dtype
     *) echo "unknown step $step"; false ;;
   esac || status=1
 done

@@ -74,22 +74,23 @@ def test_first_sighting_touches_no_file_second_writes(tmp_path, monkeypatch, no_
         m.setattr(cache.disk, "store", forbidden)
         m.setattr(disk_module.filelock.FileLock, "acquire", forbidden)
         plan = cache.get_or_build(coords, SHAPE, 2, GEOM)
+        assert len(cache.memory) == 0  # a first sighting stays out of the LRU (in the ring)
+        assert cache.get_or_build(coords, SHAPE, 2, GEOM) is plan  # memory hit, now in the LRU
+        assert len(cache.memory) == 1
     check_conv(plan, coords, 1)
     assert not any(tmp_path.iterdir())  # no plan file, no lock file, the journal still buffered
-    assert len(cache.memory) == 0  # nor a memory entry: the caller holds the plan
     stats = cache.stats()
-    assert stats["first_sightings"] == 1 and stats["builds"] == 1
+    assert stats["first_sightings"] == 1 and stats["builds"] == 1 and stats["memory_hits"] == 1
     assert stats["seen_keys"] == 1 and stats["journal_bytes"] == 0
     cache.admission.flush()
     assert sorted(p.name for p in tmp_path.iterdir()) == [JOURNAL_NAME]
     assert journal_lines(tmp_path) == [key]
 
-    again = cache.get_or_build(coords, SHAPE, 2, GEOM)  # the second sighting: disk and memory
+    cache.memory.clear()  # evicted, then back: the second sighting goes to disk
+    again = cache.get_or_build(coords, SHAPE, 2, GEOM)
     assert_same_plan(plan, again)
-    assert cache.get_or_build(coords, SHAPE, 2, GEOM) is again  # then memory hits
     stats = cache.stats()
     assert stats["first_sightings"] == 1 and stats["builds"] == 2 and stats["disk_writes"] == 1
-    assert stats["memory_hits"] == 1
     assert cache.disk.path(key).exists() and (tmp_path / "locks").is_dir()
     fresh = auto_cache(tmp_path)  # another process: the key is in the journal, the file loads
     assert_same_plan(plan, fresh.get_or_build(coords, SHAPE, 2, GEOM))
@@ -110,8 +111,7 @@ def test_auto_cost_model_still_decides_after_admission(tmp_path):
 def test_memory_hits_do_no_admission_work(tmp_path, monkeypatch):
     coords = make_coords(seed=3)
     cache = auto_cache(tmp_path)
-    cache.get_or_build(coords, SHAPE, 2, GEOM)  # first sighting: not kept in memory
-    plan = cache.get_or_build(coords, SHAPE, 2, GEOM)  # second: kept
+    plan = cache.get_or_build(coords, SHAPE, 2, GEOM)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("admission work on a memory hit")
@@ -391,3 +391,17 @@ def test_stats_cli_and_clear_know_the_journal(tmp_path, capsys, monkeypatch, no_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["locks"]
     cache.clear(disk=True)
     assert cache.stats()["seen_keys"] == 0
+
+
+def test_first_sightings_keep_a_bounded_ring(tmp_path, monkeypatch):
+    """A stream of coordinates seen once holds at most RECENT_PLANS plans and never grows the
+    LRU; the oldest are dropped first."""
+    from flexplan.cache import memory as memory_module
+
+    monkeypatch.setattr(memory_module, "RECENT_PLANS", 2)
+    cache = auto_cache(tmp_path)
+    sets = [make_coords(seed=s) for s in range(3)]
+    plans = [cache.get_or_build(c, SHAPE, 2, GEOM) for c in sets]
+    assert len(cache.memory) == 0 and len(cache.memory._recent) == 2
+    assert cache.get_or_build(sets[2], SHAPE, 2, GEOM) is plans[2]  # recent: a hit
+    assert cache.get_or_build(sets[0], SHAPE, 2, GEOM) is not plans[0]  # dropped: rebuilt

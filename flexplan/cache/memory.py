@@ -2,6 +2,11 @@
 
 Entries are keyed by (plan key, device), since a plan's tensors live on one device. Entries put
 with pinned=True (plans a server loaded with load_plans) are never evicted, only cleared.
+
+Plans of a key's first sighting go to a ring of the RECENT_PLANS latest instead (put_recent): a
+repeat soon after (the same coordinates asked for again in the same step) finds them and moves
+them to the LRU, while a stream of coordinates seen once (augmented scans, a scan per request)
+neither fills the LRU, nor holds GPU memory, nor pays its per-entry accounting.
 """
 from __future__ import annotations
 
@@ -24,10 +29,14 @@ def held_bytes(plan: ConvPlan) -> int:
     return sum(storages.values())
 
 
+RECENT_PLANS = 16
+
+
 class MemoryCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
         self._entries: OrderedDict[tuple[str, torch.device], tuple[ConvPlan, int, bool]] = OrderedDict()
+        self._recent: OrderedDict[tuple[str, torch.device], ConvPlan] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # DataLoader threads and user threads may share the cache
 
@@ -41,10 +50,20 @@ class MemoryCache:
     def get(self, key: str, device: torch.device) -> ConvPlan | None:
         with self._lock:
             entry = self._entries.get((key, device))
-            if entry is None:
-                return None
-            self._entries.move_to_end((key, device))
-            return entry[0]
+            if entry is not None:
+                self._entries.move_to_end((key, device))
+                return entry[0]
+            plan = self._recent.pop((key, device), None)
+        if plan is not None:  # back soon after its first sighting: into the LRU
+            self.put(key, plan)
+        return plan
+
+    def put_recent(self, key: str, plan: ConvPlan) -> None:
+        """Keep the plan of a key's first sighting in the ring of recent ones."""
+        with self._lock:
+            self._recent[(key, plan.device)] = plan
+            if len(self._recent) > RECENT_PLANS:
+                self._recent.popitem(last=False)
 
     def put(self, key: str, plan: ConvPlan, pinned: bool = False) -> None:
         size = held_bytes(plan)
@@ -79,4 +98,5 @@ class MemoryCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._recent.clear()
             self._bytes = 0

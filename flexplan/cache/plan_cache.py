@@ -260,8 +260,10 @@ class PlanCache:
         if store:
             self.put(coords, shape, batch_size, geometry, plan, key=key, build_seconds=seconds)
         else:
-            if keep:  # (a first sighting is not kept: it would only fill the LRU and the GPU)
+            if keep:
                 self.memory.put(key, plan)
+            else:  # a first sighting: the ring of recent plans, not the LRU (memory.py)
+                self.memory.put_recent(key, plan)
             self._remember(key, plan)
         return plan
 
@@ -288,8 +290,7 @@ class PlanCache:
         if self.policy.mode == "never" or self.policy.build_beats_any_load(coords.device.type, work):
             return self._build(*args, backend, store=False, **kind)
         if self.policy.mode == "auto" and not self.admission.seen_before(key):
-            # Likely never back: no file read, no lock, no write, no memory entry (the tensor
-            # that asked holds the plan as long as it lives; a second sighting caches it).
+            # Likely never back: no file read, no lock, no write, no LRU entry.
             self._count("first_sightings")
             return self._build(*args, backend, store=False, keep=False, **kind)
         plan, why = self._load(*args, locked=False, **kind)

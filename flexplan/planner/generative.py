@@ -89,7 +89,7 @@ def generative_plan(coords: torch.Tensor, spatial_shape: tuple[int, int, int], b
         geometry=geometry, batch_size=batch_size, in_spatial_shape=tuple(spatial_shape),
         out_spatial_shape=out_shape, num_in=n_in, num_out=n_out,
         out_coords=unpack_keys(out_keys, out_shape), fwd=fwd_map, bwd=bwd_map,
-        **signal_fields(*signal, coords.device, training))
+        **signal_fields(*(signal or (None,) * 3), coords.device, training))
 
 
 def bwd_from_fwd(plan: ConvPlan) -> ConvPlan:

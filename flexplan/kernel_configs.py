@@ -78,6 +78,19 @@ def dot_precision(dtype: str, hip: bool) -> str:
     return "ieee"
 
 
+def config_dtype(dtype: str, hip: bool) -> str:
+    """The dtype whose configs (tables, heuristic, algorithm choice) a problem of `dtype` runs:
+    float32 on NVIDIA multiplies on tensor cores (3xTF32, dot_precision) as tf32 does, so it
+    takes tf32's tiles; the IEEE tiles of float32 are for CUDA cores (ROCm's float32)."""
+    return "tf32" if dtype == "float32" and not hip else dtype
+
+
+def runtime_dtypes(problem_dtype: str, hip: bool) -> tuple[str, ...]:
+    """The dtypes that run a problem of this (config) dtype: config_dtype's inverse, what the
+    AOT registry builds for each configured problem."""
+    return tuple(d for d in DTYPES if config_dtype(d, hip) == problem_dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def runtime_is_hip() -> bool:
     """Is this process's torch a ROCm build (kernels compile for the HIP backend)?"""

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator
 
 from ..geometry import ConvGeometry
 from ..kernel_configs import (DTYPES, GATHER_GEMM, PLAN_BLOCK_SIZES, WGRAD, KernelConfig, Problem,
-                              choose_algo, heuristic_config)
+                              choose_algo, heuristic_config, runtime_dtypes)
 from ..launcher import NOT_SPECIALIZED, SPECIALIZED, arg_specialization
 from ..plan import mirrored_signal_offsets
 from .keys import TARGET_SHARED_MEMORY, TARGETS
@@ -202,8 +202,9 @@ def gather_gemm_variants(problem: Problem, cfg: KernelConfig,
     biases = (True, False) if problem.part == "fwd" and cfg.splitk == 1 else (False,)
     for reverse, bias in itertools.product(reverses, biases):
         for hip in hip_backends:
-            yield make_variant(GATHER_GEMM, values, gather_gemm_constexprs(
-                cfg, masked, reverse, bias, problem.dtype, hip))
+            for dtype in runtime_dtypes(problem.dtype, hip):
+                yield make_variant(GATHER_GEMM, values, gather_gemm_constexprs(
+                    cfg, masked, reverse, bias, dtype, hip))
 
 
 def wgrad_variants(problem: Problem, cfg: KernelConfig,
@@ -217,7 +218,8 @@ def wgrad_variants(problem: Problem, cfg: KernelConfig,
                   pair_seg_ptr=i32, out_ptr=out, CO=problem.co, CI=problem.ci, V=problem.v,
                   S=mirrored_signal_offsets(problem.v))
     for hip in hip_backends:
-        yield make_variant(WGRAD, values, wgrad_constexprs(cfg, problem.dtype, hip))
+        for dtype in runtime_dtypes(problem.dtype, hip):
+            yield make_variant(WGRAD, values, wgrad_constexprs(cfg, dtype, hip))
 
 
 def planner_variants() -> Iterator[Variant]:

@@ -21,8 +21,8 @@ import torch
 
 from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, IM2COL_BLOCK_K,
                               IM2COL_BLOCK_M, SCHEDULE_CHUNK, WGRAD, KernelConfig, Problem,
-                              choose_algo, dot_precision, im2col_channel_major_blocks,
-                              runtime_is_hip)
+                              choose_algo, config_dtype, dot_precision,
+                              im2col_channel_major_blocks, runtime_is_hip)
 from ..kernels_src.conv_gather_gemm import conv_gather_gemm_kernel
 from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
 from ..kernels_src.conv_wgrad import conv_wgrad_kernel
@@ -40,7 +40,9 @@ def _dtype_name(dtype: torch.dtype, allow_tf32: bool) -> str:
 
 
 def _resolve_algo(algo: str, part: str, n: int, ci: int, co: int, v: int, dtype: str) -> str:
-    return choose_algo(part, n, ci, co, v, dtype) if algo == AUTO else algo
+    if algo != AUTO:
+        return algo
+    return choose_algo(part, n, ci, co, v, config_dtype(dtype, runtime_is_hip()))
 
 
 def _block_for(gmap: GatherMap, block_m: int) -> int:
@@ -81,7 +83,8 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
     if algo == "explicit":
         return _explicit_gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
     out = src.new_empty((m, n))
-    problem = Problem(m, ci, co, v, _dtype_name(src.dtype, allow_tf32), algo, part)
+    dtype, hip = _dtype_name(src.dtype, allow_tf32), runtime_is_hip()
+    problem = Problem(m, ci, co, v, config_dtype(dtype, hip), algo, part)
     cfg = select_config(GATHER_GEMM, problem)
     masked = algo.startswith("masked")
     if masked:
@@ -105,7 +108,7 @@ def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, a
            src, w_nvk, bias if has_bias else w_nvk, gmap.sorted_map_t, gmap.sorted_idx,
            gmap.chunk_order, valid_kernel, valid_kernel_seg,
            dest, m, k, n, v, **gather_gemm_constexprs(cfg, masked, reverse, has_bias,
-                                                      problem.dtype, runtime_is_hip()))
+                                                      dtype, hip))
     if split:
         total = dest.sum(0)
         if bias is not None:
@@ -168,7 +171,8 @@ def _wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: b
     pairs = plan.num_pairs
     if algo == "explicit" or pairs == 0:
         return _explicit_wgrad(grad_out, src, plan, weight_shape)
-    problem = Problem(pairs, ci, co, v, _dtype_name(src.dtype, allow_tf32), algo, "wgrad")
+    dtype, hip = _dtype_name(src.dtype, allow_tf32), runtime_is_hip()
+    problem = Problem(pairs, ci, co, v, config_dtype(dtype, hip), algo, "wgrad")
     cfg = select_config(WGRAD, problem)
     acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
     if cfg.splitk > 1:
@@ -179,7 +183,7 @@ def _wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: b
     grid = (cdiv(co, cfg.block_m) * cdiv(ci, cfg.block_n), v, cfg.splitk)
     launch(conv_wgrad_kernel, grid,
            grad_out, src, plan.valid_signal_o, plan.valid_signal_i, plan.valid_signal_seg, dest,
-           co, ci, v, plan.signal_offsets, **wgrad_constexprs(cfg, problem.dtype, runtime_is_hip()))
+           co, ci, v, plan.signal_offsets, **wgrad_constexprs(cfg, dtype, hip))
     return dest.sum(0).to(src.dtype) if cfg.splitk > 1 else dest
 
 

@@ -7,7 +7,7 @@ config (what runs until the tuner has measured this GPU).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Row-block sizes of the masked implicit GEMM kernels. The planner builds valid_kernel /
 # valid_kernel_seg for each, so every masked-kernel config must take its BLOCK_M from here.
@@ -83,6 +83,22 @@ def config_dtype(dtype: str, hip: bool) -> str:
     float32 on NVIDIA multiplies on tensor cores (3xTF32, dot_precision) as tf32 does, so it
     takes tf32's tiles; the IEEE tiles of float32 are for CUDA cores (ROCm's float32)."""
     return "tf32" if dtype == "float32" and not hip else dtype
+
+
+# 3xTF32 grad-weight tiles: its reduction runs over pairs, and a deep BLOCK_K of split operands
+# spills (H100, a 32-channel subm layer of 1.3M pairs: 5.6 ms with tf32's 256 x 3 stages,
+# 0.21 ms with 32 x 2; scripts/probe_parts.py).
+_TF32X3_WGRAD_BLOCK_K, _TF32X3_WGRAD_STAGES = 64, 2
+
+
+def precision_config(cfg: KernelConfig, family: str, dtype: str, hip: bool) -> KernelConfig:
+    """The config a problem of `dtype` launches, given the one its config_dtype selected: 3xTF32
+    grad-weight keeps shallower tiles than tf32's."""
+    if family == WGRAD and dot_precision(dtype, hip) == "tf32x3" and (
+            cfg.block_k > _TF32X3_WGRAD_BLOCK_K or cfg.num_stages > _TF32X3_WGRAD_STAGES):
+        return replace(cfg, block_k=min(cfg.block_k, _TF32X3_WGRAD_BLOCK_K),
+                       num_stages=min(cfg.num_stages, _TF32X3_WGRAD_STAGES))
+    return cfg
 
 
 def runtime_dtypes(problem_dtype: str, hip: bool) -> tuple[str, ...]:

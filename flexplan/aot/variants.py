@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator
 
 from ..geometry import ConvGeometry
 from ..kernel_configs import (DTYPES, GATHER_GEMM, PLAN_BLOCK_SIZES, WGRAD, KernelConfig, Problem,
-                              choose_algo, heuristic_config, runtime_dtypes)
+                              choose_algo, heuristic_config, precision_config, runtime_dtypes)
 from ..launcher import NOT_SPECIALIZED, SPECIALIZED, arg_specialization
 from ..plan import mirrored_signal_offsets
 from .keys import TARGET_SHARED_MEMORY, TARGETS
@@ -219,7 +219,8 @@ def wgrad_variants(problem: Problem, cfg: KernelConfig,
                   S=mirrored_signal_offsets(problem.v))
     for hip in hip_backends:
         for dtype in runtime_dtypes(problem.dtype, hip):
-            yield make_variant(WGRAD, values, wgrad_constexprs(cfg, dtype, hip))
+            yield make_variant(WGRAD, values, wgrad_constexprs(
+                precision_config(cfg, WGRAD, dtype, hip), dtype, hip))
 
 
 def planner_variants() -> Iterator[Variant]:

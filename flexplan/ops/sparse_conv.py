@@ -22,7 +22,7 @@ import torch
 from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, IM2COL_BLOCK_K,
                               IM2COL_BLOCK_M, SCHEDULE_CHUNK, WGRAD, KernelConfig, Problem,
                               choose_algo, config_dtype, dot_precision,
-                              im2col_channel_major_blocks, runtime_is_hip)
+                              im2col_channel_major_blocks, precision_config, runtime_is_hip)
 from ..kernels_src.conv_gather_gemm import conv_gather_gemm_kernel
 from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
 from ..kernels_src.conv_wgrad import conv_wgrad_kernel
@@ -173,7 +173,7 @@ def _wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: b
         return _explicit_wgrad(grad_out, src, plan, weight_shape)
     dtype, hip = _dtype_name(src.dtype, allow_tf32), runtime_is_hip()
     problem = Problem(pairs, ci, co, v, config_dtype(dtype, hip), algo, "wgrad")
-    cfg = select_config(WGRAD, problem)
+    cfg = precision_config(select_config(WGRAD, problem), WGRAD, dtype, hip)
     acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
     if cfg.splitk > 1:
         dest = torch.empty((cfg.splitk, co, v, ci), dtype=acc_dtype, device=src.device)

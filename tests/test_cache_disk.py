@@ -270,3 +270,54 @@ def test_cli_commands(tmp_path, capsys):
     cache.get_or_build(make_coords(seed=9), SHAPE, 2, GEOM)
     code, out = run("clear")
     assert code == 0 and "removed 1 files" in out and not cache.disk.entries()
+
+
+def test_file_size_limit_turns_writes_off(tmp_path, monkeypatch, recwarn):
+    """EFBIG (a process file-size limit) is a directory that takes no writes, not a crash."""
+    def too_big(out, plan, key, extra=None):
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(disk_module, "write_plan", too_big)
+    cache = cache_at(tmp_path)
+    for seed in range(2):
+        coords = make_coords(seed=seed)
+        check_conv(cache.get_or_build(coords, SHAPE, 2, GEOM), coords, seed)
+    assert not cache.stats()["disk_writable"]
+    assert len([w for w in recwarn if "plan cache" in str(w.message)]) == 1
+
+
+def test_foreign_entries_under_plan_names_are_skipped(tmp_path):
+    """A directory or a FIFO named like a plan file: eviction, clear, ls and verify pass them
+    by, and a FIFO under a requested key's name is unusable, not a hang."""
+    cache = cache_at(tmp_path)
+    coords = make_coords(seed=5)
+    key = cache.key(coords, SHAPE, 2, GEOM)
+    (tmp_path / f"{'d' * 32}.fxplan").mkdir()
+    os.mkfifo(cache.disk.path(key))
+    with pytest.warns(RuntimeWarning, match="not a regular file"):
+        plan = cache.get_or_build(coords, SHAPE, 2, GEOM)  # the FIFO is replaced by the plan
+    check_conv(plan, coords, 5)
+    assert cache.disk.path(key).is_file()
+    cache.disk.evict(0)
+    assert (tmp_path / f"{'d' * 32}.fxplan").is_dir() and not cache.disk.entries()
+    os.mkfifo(cache.disk.path(key))
+    assert disk_module.verify_file(cache.disk.path(key)) is not None
+    assert cache.disk.clear() == 0
+
+
+def test_eviction_skips_files_it_may_not_remove(tmp_path, monkeypatch):
+    cache = cache_at(tmp_path)
+    for seed in range(3):
+        cache.get_or_build(make_coords(seed=seed), SHAPE, 2, GEOM)
+    real_unlink = disk_module.Path.unlink
+    first = cache.disk.entries()[0][0]
+
+    def unlink(self, *args, **kwargs):
+        if self == first:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return real_unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(disk_module.Path, "unlink", unlink)
+    removed = cache.disk.evict(0)
+    assert first not in removed and len(removed) == 2
+    assert [e[0] for e in cache.disk.entries()] == [first]

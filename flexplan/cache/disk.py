@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import tempfile
 import time
 import warnings
@@ -26,7 +27,7 @@ _TEMP_PREFIX = ".tmp-"
 _STALE_TEMP_S = 3600.0  # temp files of crashed writers older than this are removed by eviction
 # Errors that mean "this directory cannot take writes", as opposed to bugs.
 _UNWRITABLE = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENOENT,
-               errno.ENOTDIR, errno.EEXIST}
+               errno.ENOTDIR, errno.EEXIST, errno.EFBIG}  # EFBIG: a file-size limit (RLIMIT_FSIZE)
 
 
 class DiskCache:
@@ -47,6 +48,7 @@ class DiskCache:
         """
         path = self.path(key)
         try:
+            _require_regular_file(path)
             plan, header = read_plan(path, device, expect_key=key, accept=accept)
         except FileNotFoundError:
             return None, None
@@ -129,8 +131,10 @@ class DiskCache:
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             for entry in os.scandir(self.directory):
                 if entry.name.endswith(SUFFIX) and not entry.name.startswith(_TEMP_PREFIX):
-                    with contextlib.suppress(FileNotFoundError):
-                        st = entry.stat()
+                    with contextlib.suppress(OSError):
+                        if not entry.is_file(follow_symlinks=False):
+                            continue  # a directory, FIFO or link by that name: not ours
+                        st = entry.stat(follow_symlinks=False)
                         found.append((Path(entry.path), st.st_size, st.st_mtime))
         return sorted(found, key=lambda e: e[2])
 
@@ -145,9 +149,13 @@ class DiskCache:
         for path, size, _ in files:
             if total <= max_bytes:
                 break
-            with contextlib.suppress(FileNotFoundError):  # another process evicted it first
+            try:
                 path.unlink()
                 removed.append(path)
+            except FileNotFoundError:  # another process evicted it first
+                pass
+            except OSError:  # not ours to remove (another user's, in a sticky directory): skip
+                continue
             total -= size
         self._remove_stale_temps()
         return removed
@@ -166,9 +174,17 @@ class DiskCache:
         return len(self.evict(0))
 
 
+def _require_regular_file(path: Path) -> None:
+    """Raise PlanFileError unless path is a regular file: opening a FIFO by a plan's name would
+    block forever, and a directory is no plan."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise PlanFileError(f"{path} is not a regular file")
+
+
 def verify_file(path: str | os.PathLike) -> str | None:
     """None if the file loads and checks out, else what is wrong with it."""
     try:
+        _require_regular_file(Path(path))
         read_plan(path, "cpu", expect_key=Path(path).name.removesuffix(SUFFIX))
     except PlanFileError as exc:
         return str(exc)

@@ -30,6 +30,7 @@ class Bundle:
     triton_version: str | None
     entries: list[dict]
     problem: str | None = None  # why the bundle is refused; None when usable
+    malformed: int = 0  # manifest entries dropped as malformed (the rest stay usable)
 
     def entry_files_ok(self, entry: dict) -> str | None:
         """None when the entry's binary and metadata match their sha256, else what is wrong."""
@@ -66,7 +67,19 @@ def read_bundle(root: Path) -> Bundle:
         return Bundle(root, version, [], (
             f"{path}: built with Triton {version}, but this is Triton {triton_version()}; its binaries "
             f"are not used (rebuild it with `python -m aot` under this Triton)"))
-    return Bundle(root, version, entries)
+    if not isinstance(entries, list):
+        return Bundle(root, version, [], f"{path}: malformed manifest ('entries' is not a list)")
+    usable = [e for e in entries if _entry_well_formed(e)]
+    return Bundle(root, version, usable, malformed=len(entries) - len(usable))
+
+
+# The manifest fields every reader of an entry relies on (the runtime's index, the direct
+# launcher, the integrity check, the installer), each a string.
+_ENTRY_FIELDS = ("key", "kernel", "source_hash", "file", "sha256", "metadata", "metadata_sha256")
+
+
+def _entry_well_formed(entry) -> bool:
+    return isinstance(entry, dict) and all(isinstance(entry.get(f), str) for f in _ENTRY_FIELDS)
 
 
 def install_bundle(built: Path) -> Path:

@@ -321,3 +321,32 @@ def test_eviction_skips_files_it_may_not_remove(tmp_path, monkeypatch):
     removed = cache.disk.evict(0)
     assert first not in removed and len(removed) == 2
     assert [e[0] for e in cache.disk.entries()] == [first]
+
+
+def test_a_stuck_builder_is_named_and_then_passed_by(tmp_path, monkeypatch):
+    """Another process holding a plan's build lock: the wait is said once (with the lock's
+    path), and after LOCK_TIMEOUT_S this process builds without it."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(disk_module, "LOCK_NOTICE_S", 0.2)
+    monkeypatch.setattr(disk_module, "LOCK_TIMEOUT_S", 1.0)
+    cache = cache_at(tmp_path)
+    coords = make_coords(seed=6)
+    key = cache.key(coords, SHAPE, 2, GEOM)
+    lock_path = tmp_path / "locks" / f"{key[:2]}.lock"
+    lock_path.parent.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import filelock, sys, time; l = filelock.FileLock(sys.argv[1]); l.acquire(); "
+        "print('held', flush=True); time.sleep(30)"), str(lock_path)], stdout=subprocess.PIPE,
+        text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.time()
+        with pytest.warns(RuntimeWarning, match="another process has been building"):
+            plan = cache.get_or_build(coords, SHAPE, 2, GEOM)
+        assert time.time() - start < 10
+        check_conv(plan, coords, 6)
+    finally:
+        holder.kill()
+        holder.wait()

@@ -22,7 +22,10 @@ import filelock
 
 from .format import SUFFIX, PlanFileError, read_plan, write_plan
 
-LOCK_TIMEOUT_S = 600.0  # a builder that slow is stuck or huge: build anyway rather than hang
+# A build takes seconds at most: a lock held this long belongs to a stuck (or huge) builder, so
+# build anyway rather than hang; past LOCK_NOTICE_S the wait is said once, with the lock's path.
+LOCK_TIMEOUT_S = 120.0
+LOCK_NOTICE_S = 5.0
 _TEMP_PREFIX = ".tmp-"
 _STALE_TEMP_S = 3600.0  # temp files of crashed writers older than this are removed by eviction
 # Errors that mean "this directory cannot take writes", as opposed to bugs.
@@ -86,11 +89,10 @@ class DiskCache:
             lock_dir.mkdir(parents=True, exist_ok=True)
             # 256 lock stripes by key prefix: a bounded set of lock files that are never deleted
             # (deleting a lock file others hold breaks exclusion); a shared stripe only delays.
-            lock = filelock.FileLock(str(lock_dir / f"{key[:2]}.lock"), timeout=LOCK_TIMEOUT_S)
-            lock.acquire()
-        except filelock.Timeout:
-            yield
-            return
+            lock = filelock.FileLock(str(lock_dir / f"{key[:2]}.lock"))
+            if not _acquire(lock, key):
+                yield
+                return
         except OSError as exc:
             if not self._writable_error(exc):
                 raise
@@ -172,6 +174,23 @@ class DiskCache:
     def clear(self) -> int:
         """Remove every plan file; returns how many."""
         return len(self.evict(0))
+
+
+def _acquire(lock: filelock.FileLock, key: str) -> bool:
+    """Take a build lock, saying so once if another process holds it for long; False when it
+    is still held after LOCK_TIMEOUT_S (then the caller builds without it)."""
+    try:
+        lock.acquire(timeout=LOCK_NOTICE_S)
+        return True
+    except filelock.Timeout:
+        warnings.warn(f"flexplan plan cache: another process has been building plan {key} for "
+                      f"{LOCK_NOTICE_S:.0f} s (lock {lock.lock_file}); waiting up to "
+                      f"{LOCK_TIMEOUT_S:.0f} s, then building here", RuntimeWarning, stacklevel=4)
+    try:
+        lock.acquire(timeout=max(LOCK_TIMEOUT_S - LOCK_NOTICE_S, 0.0))
+        return True
+    except filelock.Timeout:
+        return False
 
 
 def _require_regular_file(path: Path) -> None:

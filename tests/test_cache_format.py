@@ -62,9 +62,13 @@ def test_round_trip_every_field(tmp_path, geometry):
 
 def test_round_trip_int64_values_and_empty_plan(tmp_path):
     plan = build_plan(make_coords(), SHAPE, 2, GEOMETRIES[2])
-    # Values beyond int32 keep their dtype; an empty plan round-trips too.
-    wide = dataclasses.replace(plan, valid_signal_seg=plan.valid_signal_seg.to(torch.int64) + 2**40)
+    # int64 tensors keep their dtype; an empty plan round-trips too.
+    wide = dataclasses.replace(plan, valid_signal_seg=plan.valid_signal_seg.to(torch.int64))
     assert_same_plan(wide, load_bytes(tmp_path, round_trip(wide)))
+    # Values beyond int32 survive the file, but no plan may hold them: refused on load.
+    beyond = dataclasses.replace(plan, valid_signal_seg=plan.valid_signal_seg.to(torch.int64) + 2**40)
+    with pytest.raises(PlanFileError, match="out of bounds: valid_signal_seg"):
+        load_bytes(tmp_path, round_trip(beyond))
     empty = build_plan(torch.zeros((0, 4), dtype=torch.int32), SHAPE, 1, GEOMETRIES[0])
     assert_same_plan(empty, load_bytes(tmp_path, round_trip(empty)))
 
@@ -171,3 +175,35 @@ def test_policy_decisions_and_settings(monkeypatch):
     assert not policy.worth_loading("cuda", 1000, 1 << 20, {"built_on": "cpu", "build_seconds": 9.0})
     assert Policy(mode="always").worth_loading("cpu", 1, 1 << 30, {})
     assert not Policy(mode="never").worth_storing("cpu", 100.0, 1)
+
+
+@pytest.mark.parametrize("damage", ["map_row", "sorted_idx", "pair", "seg", "shape"])
+def test_checksummed_file_with_unsound_contents_is_refused(tmp_path, damage):
+    """A file whose checksum is valid but whose indices point outside the plan (written by a
+    buggy or hostile writer) is refused on load instead of reaching a kernel."""
+    plan = build_plan(make_coords(), SHAPE, 2, GEOMETRIES[2])
+    fwd = plan.fwd
+    if damage == "map_row":
+        nmap = fwd.neighbor_map.clone()
+        nmap[0, 0] = plan.num_in + 5
+        bad = dataclasses.replace(plan, fwd=dataclasses.replace(fwd, neighbor_map=nmap))
+    elif damage == "sorted_idx":
+        idx = fwd.sorted_idx.clone()
+        idx[-1] = -3
+        bad = dataclasses.replace(plan, fwd=dataclasses.replace(fwd, sorted_idx=idx))
+    elif damage == "pair":
+        pairs = plan.valid_signal_o.clone()
+        pairs[0] = plan.num_out
+        bad = dataclasses.replace(plan, valid_signal_o=pairs)
+    elif damage == "seg":
+        seg = plan.valid_signal_seg.clone()
+        seg[1] = seg[2] + 1  # then seg decreases
+        bad = dataclasses.replace(plan, valid_signal_seg=seg)
+    else:
+        bad = dataclasses.replace(plan, num_out=plan.num_out + 1)
+    with pytest.raises(PlanFileError, match="out of bounds"):
+        load_bytes(tmp_path, round_trip(bad))
+    from flexplan.cache.disk import verify_file
+    path = tmp_path / f"{'k' * 32}.fxplan"
+    path.write_bytes(round_trip(bad))
+    assert "out of bounds" in verify_file(path)

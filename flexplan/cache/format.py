@@ -189,8 +189,58 @@ def read_plan(path: str | os.PathLike, device: torch.device, expect_key: str | N
             t = t.to(device, non_blocking=True)
             tensors[e["name"]] = t.to(dtype) if stored != dtype else t
         plan = plan_from_parts(header["meta"], tensors)
+        problem = plan_problem(plan)
     except (KeyError, TypeError, RuntimeError, ValueError) as exc:
         if isinstance(exc, PlanFileError):
             raise
         raise PlanFileError(f"header does not describe a valid plan: {exc!r}") from None
+    if problem is not None:
+        raise PlanFileError(f"plan contents out of bounds: {problem}")
     return plan, header
+
+
+def plan_problem(plan: ConvPlan) -> str | None:
+    """None if every index of the plan lies where the kernels may read (a checksum says the
+    file is what was written, not that what was written is sound), else the first defect.
+    Sizes are checked on the host; the values in one pass of reductions and one host sync."""
+    n_in, n_out, v = plan.num_in, plan.num_out, plan.kernel_volume
+    bounds = []  # (name, tensor, low, high): low <= every value < high
+
+    def gather_map(name, gmap, rows, targets):
+        if tuple(gmap.neighbor_map.shape) != (rows, v) or tuple(gmap.sorted_idx.shape) != (rows,):
+            return f"{name} maps {tuple(gmap.neighbor_map.shape)} rows, expected ({rows}, {v})"
+        bounds.append((f"{name}.neighbor_map", gmap.neighbor_map, -1, targets))
+        bounds.append((f"{name}.sorted_idx", gmap.sorted_idx, 0, rows))
+        for block in gmap.block_sizes:
+            seg, kernels = gmap.valid_kernel_seg[block], gmap.valid_kernel[block]
+            if seg.numel() != -(-rows // block) + 1:
+                return f"{name}.valid_kernel_seg.{block} has {seg.numel()} entries"
+            bounds.append((f"{name}.valid_kernel.{block}", kernels, 0, v))
+            segs.append((f"{name}.valid_kernel_seg.{block}", seg, kernels.numel()))
+        return None
+
+    segs = []  # (name, seg, total): starts at 0, never decreases, ends at total
+    for problem in (gather_map("fwd", plan.fwd, n_out, n_in),
+                    None if plan.bwd is None else gather_map("bwd", plan.bwd, n_in, n_out)):
+        if problem:
+            return problem
+    if tuple(plan.out_coords.shape) != (n_out, 4):
+        return f"out_coords has shape {tuple(plan.out_coords.shape)}, expected ({n_out}, 4)"
+    pairs = plan.valid_signal_i.numel()
+    if plan.valid_signal_o.numel() != pairs or plan.signal_offsets > v:
+        return "valid_signal pairs and offsets disagree"
+    bounds += [("valid_signal_i", plan.valid_signal_i, 0, n_in),
+               ("valid_signal_o", plan.valid_signal_o, 0, n_out)]
+    segs.append(("valid_signal_seg", plan.valid_signal_seg, pairs))
+    flags = []
+    for _, t, low, high in bounds:
+        flags.append(((t >= low) & (t < high)).all() if t.numel() else t.new_ones((), dtype=torch.bool))
+    for _, seg, total in segs:
+        steps = (seg[1:] >= seg[:-1]).all() if seg.numel() > 1 else seg.new_ones((), dtype=torch.bool)
+        flags.append(steps & (seg[0] == 0) & (seg[-1] == total))
+    names = [b[0] for b in bounds] + [s_[0] for s_ in segs]
+    ok = torch.stack(flags).tolist() if flags else []
+    for name, good in zip(names, ok):
+        if not good:
+            return f"{name} holds indices outside its range"
+    return None

@@ -350,3 +350,19 @@ def test_a_stuck_builder_is_named_and_then_passed_by(tmp_path, monkeypatch):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_load_plans_refuses_a_plan_under_another_coordinates_key(tmp_path):
+    """A shipped submanifold plan saved under the key of other coordinates (same row count) is
+    skipped with a warning, never served for them."""
+    builder = cache_at(tmp_path / "cache")
+    a, b = make_coords(seed=7), make_coords(seed=8)
+    n = min(a.shape[0], b.shape[0])
+    a, b = a[:n].contiguous(), b[:n].contiguous()  # same row count: only the key tells them apart
+    plan_b = builder.get_or_build(b, SHAPE, 2, GEOM)
+    key_a = builder.key(a, SHAPE, 2, GEOM)
+    builder.save_plans(tmp_path / "shipped", {key_a: plan_b})
+    server = cache_at(tmp_path / "server", mode="never")
+    with pytest.warns(RuntimeWarning, match="do not hash to its key"):
+        assert server.load_plans(tmp_path / "shipped", device="cpu") == {}
+    check_conv(server.get_or_build(a, SHAPE, 2, GEOM), a, 7)

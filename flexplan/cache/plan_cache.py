@@ -59,6 +59,16 @@ def _matches(plan: ConvPlan, coords, spatial_shape, batch_size, geometry, traini
     return not geometry.submanifold or torch.equal(plan.out_coords, coords)
 
 
+def _check_key_names_plan(key: str, plan: ConvPlan) -> None:
+    """A submanifold plan carries its coordinates: its key must be theirs, or a shipped file
+    could serve other coordinates with the same row count (PlanFileError). (A strided plan
+    keeps only its outputs; its key cannot be recomputed from the file.)"""
+    if plan.geometry.submanifold and plan_key(
+            plan.out_coords, plan.in_spatial_shape, plan.batch_size, plan.geometry,
+            training=plan.for_training) != key:
+        raise PlanFileError(f"the plan's coordinates do not hash to its key {key}")
+
+
 class PlanCache:
     """Plans by key: memory (per process, LRU by bytes), then disk (shared, LRU by bytes).
 
@@ -332,6 +342,7 @@ class PlanCache:
                 continue
             try:
                 plan, header = read_plan(path, device, expect_key=path.name.removesuffix(SUFFIX))
+                _check_key_names_plan(header["key"], plan)
             except (PlanFileError, OSError) as exc:
                 warnings.warn(f"flexplan.load_plans: skipping {path} ({exc})", RuntimeWarning,
                               stacklevel=2)

@@ -64,16 +64,21 @@ def main(argv: list[str] | None = None) -> int:
         for path, size, mtime in entries:
             print(f"{path.name[:16]}  {_size(size):>10}  {(now - mtime) / 60:7.1f} min ago  {_describe(path)}")
     elif args.command == "verify":
-        bad = 0
+        bad, unfixed = 0, False
         for path, _, _ in entries:
             problem = verify_file(path)
             if problem is not None:
                 bad += 1
-                print(f"BAD {path.name}: {problem}" + ("  (removed)" if args.fix else ""))
+                note = ""
                 if args.fix:
-                    path.unlink(missing_ok=True)
+                    try:
+                        path.unlink(missing_ok=True)
+                        note = "  (removed)"
+                    except OSError as exc:  # e.g. another user's file in a shared directory
+                        note, unfixed = f"  (not removed: {exc.strerror})", True
+                print(f"BAD {path.name}: {problem}{note}")
         print(f"{len(entries) - bad} ok, {bad} bad")
-        return 1 if bad and not args.fix else 0
+        return 1 if bad and (not args.fix or unfixed) else 0
     elif args.command == "prune":
         cap = parse_bytes(args.max_bytes) if args.max_bytes else disk.max_bytes
         removed = disk.evict(cap)

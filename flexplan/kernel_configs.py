@@ -86,8 +86,8 @@ def config_dtype(dtype: str, hip: bool) -> str:
 
 
 # 3xTF32 grad-weight tiles: its reduction runs over pairs, and a deep BLOCK_K of split operands
-# spills (H100, a 32-channel subm layer of 1.3M pairs: 5.6 ms with tf32's 256 x 3 stages,
-# 0.21 ms with 32 x 2; scripts/probe_parts.py).
+# spills registers; tf32's deeper tiles ran the encoder's 16- and 32-channel layers several
+# times slower (scripts/results/bench_layers.md, notes; measured with scripts/probe_parts.py).
 _TF32X3_WGRAD_BLOCK_K, _TF32X3_WGRAD_STAGES = 64, 2
 
 

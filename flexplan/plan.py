@@ -92,8 +92,8 @@ def _read_only(mapping: Mapping) -> Mapping:
 # launcher can run kernels (CUDA tensors, or any under TRITON_INTERPRET=1), else the torch
 # expression, which is also the kernels' oracle. A plan derives them once per map, every step
 # for a job with new coordinates, and those steps are host-bound: the torch expressions take 3
-# device operations (sorted_map_t) and a sort of a dozen, over 100 us of host time
-# (chunk_order); a launch takes a few microseconds. The AOT registry reads these settings.
+# device operations (sorted_map_t) and a sort of a dozen (chunk_order), one launch each here
+# (scripts/results/host_costs.md). The AOT registry reads these settings.
 SORTED_MAP_T_LAUNCH = dict(BLOCK=128, V_TILE=32, num_warps=4)
 CHUNK_ORDER_LAUNCH = dict(TILE=128, num_warps=4)
 

@@ -143,12 +143,14 @@ def test_read_only_directory_still_serves_its_plans(tmp_path, monkeypatch, recwa
     assert cache.stats()["builds"] == 2 and len(cache.disk.entries()) == 1
 
 
-def test_disk_full_mid_write_leaves_no_partial_file(tmp_path, monkeypatch, recwarn):
+# ENOSPC: a full disk; EFBIG: a process file-size limit (RLIMIT_FSIZE). Either turns writes off.
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG], ids=["ENOSPC", "EFBIG"])
+def test_disk_full_mid_write_leaves_no_partial_file(tmp_path, monkeypatch, recwarn, code):
     real_write = disk_module.write_plan
 
     def write_then_fill(out, plan, key, extra=None):
         out.write(b"\0" * 1000)
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(disk_module, "write_plan", write_then_fill)
     cache = cache_at(tmp_path)
@@ -157,6 +159,7 @@ def test_disk_full_mid_write_leaves_no_partial_file(tmp_path, monkeypatch, recwa
         check_conv(cache.get_or_build(coords, SHAPE, 2, GEOM), coords, seed)
     assert len([w for w in recwarn if "plan cache" in str(w.message)]) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["locks"]  # no temp file left
+    assert not cache.stats()["disk_writable"]
     monkeypatch.setattr(disk_module, "write_plan", real_write)
     assert cache.stats()["builds"] == 3 and cache.stats().get("disk_writes", 0) == 0
 
@@ -270,20 +273,6 @@ def test_cli_commands(tmp_path, capsys):
     cache.get_or_build(make_coords(seed=9), SHAPE, 2, GEOM)
     code, out = run("clear")
     assert code == 0 and "removed 1 files" in out and not cache.disk.entries()
-
-
-def test_file_size_limit_turns_writes_off(tmp_path, monkeypatch, recwarn):
-    """EFBIG (a process file-size limit) is a directory that takes no writes, not a crash."""
-    def too_big(out, plan, key, extra=None):
-        raise OSError(errno.EFBIG, "File too large")
-
-    monkeypatch.setattr(disk_module, "write_plan", too_big)
-    cache = cache_at(tmp_path)
-    for seed in range(2):
-        coords = make_coords(seed=seed)
-        check_conv(cache.get_or_build(coords, SHAPE, 2, GEOM), coords, seed)
-    assert not cache.stats()["disk_writable"]
-    assert len([w for w in recwarn if "plan cache" in str(w.message)]) == 1
 
 
 def test_foreign_entries_under_plan_names_are_skipped(tmp_path):

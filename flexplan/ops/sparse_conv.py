@@ -15,6 +15,7 @@ algorithms); "explicit" multiplies its im2col blocks on the vendor matmul.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -320,7 +321,8 @@ def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
     co, ci = weight.shape[0], weight.shape[4]
     w = weight.reshape(co, -1, ci).contiguous()
     b = bias.contiguous() if bias is not None else None
-    if cast is not None:  # the kernels' own torch ops (sums, explicit GEMMs) as cast above
-        with torch.autocast(feats.device.type, enabled=False):
-            return SparseConvFunction.apply(feats.contiguous(), w, b, plan, algo, bool(allow_tf32))
-    return SparseConvFunction.apply(feats.contiguous(), w, b, plan, algo, bool(allow_tf32))
+    # Under autocast the op's own torch ops (sums, explicit GEMMs) must not cast again.
+    scope = (torch.autocast(feats.device.type, enabled=False) if cast is not None
+             else contextlib.nullcontext())
+    with scope:
+        return SparseConvFunction.apply(feats.contiguous(), w, b, plan, algo, bool(allow_tf32))

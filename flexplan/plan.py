@@ -67,6 +67,11 @@ class BlockRuns(Mapping):
             view = self._views[block] = self._buffer[start:start + length]
         return view
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The one tensor every run lies in."""
+        return self._buffer
+
     def region(self, block: int) -> torch.Tensor:
         """The run, or for a run of unread length the room that holds it (no host sync)."""
         run = self._runs[block]
@@ -223,6 +228,16 @@ class GatherMap:
     def block_sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self.valid_kernel))
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Tensors whose storages this map keeps: the lazy runs' buffer, not their views (whose
+        lengths may still be on the device: no host sync), and the derived views made so far."""
+        held = [self.neighbor_map, self.sorted_idx]
+        for runs in (self.valid_kernel, self.valid_kernel_seg):
+            held.extend((runs.buffer,) if isinstance(runs, BlockRuns) else runs.values())
+        held.extend(view for name, view in self.__dict__.items()
+                    if name in ("sorted_map_t", "chunk_order"))
+        return held
+
     def map_tensors(self, fn) -> "GatherMap":
         return GatherMap(fn(self.neighbor_map), fn(self.sorted_idx),
                          {b: fn(t) for b, t in self.valid_kernel.items()},
@@ -311,6 +326,15 @@ class ConvPlan:
     def pin_memory(self) -> "ConvPlan":
         """Page-locked copy; DataLoader(pin_memory=True) calls this on plans in a batch."""
         return self.map_tensors(lambda t: t.pin_memory())
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Tensors whose storages the plan keeps alive (GatherMap.held_tensors): what it costs
+        in memory, found without a host sync."""
+        held = [self.out_coords, self.valid_signal_i, self.valid_signal_o, self.valid_signal_seg]
+        for gmap in (self.fwd, self.bwd):
+            if gmap is not None:
+                held.extend(gmap.held_tensors())
+        return held
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the plan under a flat, stable name (for serialization and equality)."""

@@ -5,6 +5,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .coords_hash import (coords_identity, digest_identity, digest_lanes, known_identity,
+                          lanes_to_digest, remember_identity)
 from .geometry import triple
 
 
@@ -45,11 +47,18 @@ def check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batc
     if n == 0:
         return
     if check_duplicates and coords.is_cuda:
-        # One hash insert pass finds both, without sorting; one host sync.
-        from .planner.hashmap import coords_problems
+        # One hash insert pass finds both, without sorting; the coordinates' identity (the plan
+        # cache's name for them) is hashed alongside and read in the same host sync.
+        from .planner.hashmap import coords_problem_flags, problem_rows
 
-        raise_coords_problems(coords, spatial_shape, batch_size,
-                              *coords_problems(coords, spatial_shape, batch_size))
+        need_identity = known_identity(coords) is None
+        flags = coords_problem_flags(coords, spatial_shape, batch_size, spare_slots=2)
+        if need_identity:
+            digest_lanes(coords, out=flags[2:])
+        values = flags.tolist()  # the one host sync
+        if need_identity:
+            remember_identity(coords, digest_identity(lanes_to_digest(values[2:])))
+        raise_coords_problems(coords, spatial_shape, batch_size, *problem_rows(values[:2], n))
         return
     upper = torch.tensor([batch_size, *spatial_shape], dtype=torch.int32, device=coords.device)
     bad = ((coords < 0) | (coords >= upper)).any(dim=1)
@@ -166,8 +175,6 @@ class SparseTensor:
         Kept with the plans, so every tensor sharing them shares it."""
         identity = self._plans.identity
         if identity is None:
-            from .cache.key import coords_identity
-
             identity = self._plans.identity = coords_identity(self.coords)
         return identity
 

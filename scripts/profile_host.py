@@ -33,6 +33,8 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--sort", default="tottime")
     parser.add_argument("--lines", type=int, default=45)
+    parser.add_argument("--kernels", action="store_true",
+                        help="also a torch.profiler table of the steps' GPU kernels")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -68,6 +70,16 @@ def main():
         step(b)
     prof.disable()
     pstats.Stats(prof).sort_stats(args.sort).print_stats(args.lines)
+    if args.kernels:
+        from torch.profiler import ProfilerActivity, profile
+
+        batches = [lidar_batch(200 + i, 2, 0, device, scans=scans) for i in range(args.steps)]
+        batches = [b._replace(features=b.features.half()) for b in batches]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kprof:
+            for b in batches:
+                step(b)
+        print(kprof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
+                                         max_name_column_width=50))
 
 
 if __name__ == "__main__":

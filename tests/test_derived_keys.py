@@ -3,10 +3,13 @@
 convolutions are named from their input's identity, never hashed."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import flexplan.nn.spconv as spconv
 from flexplan import ConvGeometry
+import flexplan.coords_hash as coords_hash
+import flexplan.sparse_tensor as sparse_tensor
 from flexplan.cache import key as key_module
 from flexplan.cache import plan_cache
 from flexplan.workloads import random_coords
@@ -15,14 +18,17 @@ SHAPE = (9, 8, 7)
 
 
 def _count_digests(monkeypatch) -> list:
+    """Row counts of the coordinate sets hashed: by the plan cache's key, or (CUDA) by the
+    coordinate check, which hashes in the same host sync as its verdict."""
     calls = []
-    real = key_module.coords_digest
+    real = coords_hash.digest_lanes
 
     def counting(coords, *args, **kwargs):
         calls.append(coords.shape[0])
         return real(coords, *args, **kwargs)
 
-    monkeypatch.setattr(key_module, "coords_digest", counting)
+    monkeypatch.setattr(coords_hash, "digest_lanes", counting)
+    monkeypatch.setattr(sparse_tensor, "digest_lanes", counting)
     return calls
 
 
@@ -103,3 +109,16 @@ def test_derived_identity_depends_on_everything():
                   3, stride=2, padding=0, submanifold=False))]
     assert len({base, *others}) == 5
     assert key_module.derived_identity(parent, SHAPE, 2, geom) == base
+
+
+@pytest.mark.gpu
+def test_the_coordinate_check_records_the_identity():
+    """On CUDA the check hashes the coordinates in its own host sync: the identity it leaves is
+    the plan cache's digest of them, and a duplicate still raises."""
+    coords = random_coords(500, SHAPE, 2, generator=torch.Generator().manual_seed(3)).cuda()
+    assert coords_hash.known_identity(coords) is None
+    _input(coords)
+    assert coords_hash.known_identity(coords) == coords_hash.digest_identity(
+        coords_hash.coords_digest(coords))
+    with pytest.raises(sparse_tensor.SparseTensorError, match="duplicate"):
+        _input(torch.cat([coords, coords[:1]]))

@@ -282,19 +282,27 @@ def test_checked_triton_build_raises_like_check_coords(shape, batch, problem, de
     build_plan(coords, shape, batch, ConvGeometry.make(3), backend="triton", check=False)  # no crash
 
 
-def test_triton_build_syncs_once(monkeypatch, device):
-    """Every size the host needs, and the input checks, come back in one read."""
+@pytest.mark.parametrize("check, training, syncs", [
+    (True, True, 1), (True, False, 1), (False, True, 1), (False, False, 0)])
+def test_triton_build_syncs(monkeypatch, device, check, training, syncs):
+    """Every size the host needs, and the input checks, come back in one read; a build of
+    checked coordinates for inference needs none (its schedule's lengths stay on the device)
+    and still equals the torch planner's plan."""
     coords = _coords((10, 12, 9), 2, 300, seed=1, device=device)
     geometry = ConvGeometry.make(3)
-    build_plan(coords, (10, 12, 9), 2, geometry, backend="triton")  # warm up
+    build = lambda: build_plan(coords, (10, 12, 9), 2, geometry, backend="triton", check=check,
+                               training=training)
+    build()  # warm up
     reads = []
     for name in ("tolist", "item", "__int__", "__bool__", "__index__", "cpu", "numpy"):
         real = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name, **k:
                             reads.append(_name) or _real(self, *a, **k))
-    build_plan(coords, (10, 12, 9), 2, geometry, backend="triton")
+    plan = build()
     monkeypatch.undo()
-    assert reads == ["tolist"]
+    assert reads == ["tolist"] * syncs
+    _plans_equal(plan, build_plan(coords, (10, 12, 9), 2, geometry, backend="torch",
+                                  training=training))
 
 
 def test_triton_schedule_block_sizes(device):

@@ -18,12 +18,13 @@ import pytest
 import torch
 
 from flexplan import ConvGeometry, build_plan, launcher
-from flexplan.cache.key import coords_digest
+from flexplan.coords_hash import coords_digest
 from flexplan.plan import GatherMap
 from flexplan.workloads import random_coords
 
 LAUNCHING_MODULES = ("flexplan.ops.sparse_conv", "flexplan.planner.hashmap",
-                     "flexplan.planner.segments_triton", "flexplan.planner.generative_triton")
+                     "flexplan.planner.segments_triton", "flexplan.planner.generative_triton",
+                     "flexplan.coords_hash")
 GEOMETRIES = (ConvGeometry.submanifold_conv(3),
               ConvGeometry.make(2, stride=2, submanifold=False))
 CHANNELS = 16
@@ -62,7 +63,6 @@ def recorder(monkeypatch):
 
     for name in LAUNCHING_MODULES:
         monkeypatch.setattr(importlib.import_module(name), "launch", recording_launch)
-    monkeypatch.setattr(launcher, "launch", recording_launch)  # the coordinate hash imports it late
     # The explicit algorithm in several chunks: other row_start / rows per chunk.
     monkeypatch.setattr(importlib.import_module("flexplan.ops.sparse_conv"),
                         "EXPLICIT_WORKSPACE_BYTES", 120_000)

@@ -242,8 +242,8 @@ def planner_variants() -> Iterator[Variant]:
 
 def segment_variants() -> Iterator[Variant]:
     """The launches of flexplan.planner.segments_triton (Gray-code order, per-block offsets,
-    grad-weight pairs) and of the plan cache's coordinate hash (flexplan.cache.key)."""
-    from ..cache.key import _TRITON_BLOCK
+    grad-weight pairs) and of the plan cache's coordinate hash (flexplan.coords_hash)."""
+    from ..coords_hash import _TRITON_BLOCK
     from ..planner import segments_triton as seg
     from ..planner.segments import rank_words
 

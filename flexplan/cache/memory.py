@@ -21,12 +21,16 @@ from ..plan import ConvPlan
 def held_bytes(plan: ConvPlan) -> int:
     """Bytes of the storages behind the plan's tensors, each counted once: a tensor may be a view
     of a larger buffer (the Triton planner's valid_kernel of every block size shares one buffer
-    sized for the worst case), and the buffer is what stays allocated."""
+    sized for the worst case), and the buffer is what stays allocated. The gather maps' derived
+    views (GatherMap.sorted_map_t, the size of the map, and chunk_order, a fraction of it) are
+    counted as made, since the first convolution makes them after the plan is put."""
     storages = {}
-    for t in plan.tensors().values():
+    for t in plan.held_tensors():
         storage = t.untyped_storage()
         storages[(t.device, storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
+    derived = sum(gmap.neighbor_map.nbytes for gmap in (plan.fwd, plan.bwd)
+                  if gmap is not None and "sorted_map_t" not in gmap.__dict__)
+    return sum(storages.values()) + derived
 
 
 RECENT_PLANS = 16
@@ -78,13 +82,17 @@ class MemoryCache:
             self._evict()
 
     def _evict(self) -> None:
-        for slot in list(self._entries):
+        if self._bytes <= self.max_bytes:  # the usual case: no walk over the entries
+            return
+        victims = []
+        for slot, (_, size, pinned) in self._entries.items():
             if self._bytes <= self.max_bytes:
                 break
-            plan, size, pinned = self._entries[slot]
             if not pinned:
-                del self._entries[slot]
+                victims.append(slot)
                 self._bytes -= size
+        for slot in victims:
+            del self._entries[slot]
 
     def resize(self, max_bytes: int) -> None:
         with self._lock:

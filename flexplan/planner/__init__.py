@@ -57,10 +57,15 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
         layout = schedule_layout(coords.shape[0], geometry.volume, PLAN_BLOCK_SIZES, signal_offsets)
         nmap, problems = submanifold_neighbor_map_triton(coords, shape, batch_size, geometry,
                                                          spare_slots=layout.readback_slots)
+    num_flags = 0 if problems is None or not check else PROBLEM_SLOTS
+    if problems is not None and not check:  # checked before: the flags are not read
+        problems = problems[PROBLEM_SLOTS:]
+    # Nothing to read back without flags and pairs: an unchecked inference build makes no host
+    # sync at all (its valid_kernel lengths stay on the device, plan.BlockRuns).
     fwd, signal, flag_values = plan_schedule(
-        nmap, PLAN_BLOCK_SIZES, backend, readback=problems,
-        num_flags=0 if problems is None else PROBLEM_SLOTS,
-        signal_offsets=signal_offsets, layout=layout)
+        nmap, PLAN_BLOCK_SIZES, backend, readback=problems, num_flags=num_flags,
+        signal_offsets=signal_offsets, layout=layout,
+        pairs_total=0 if not signal_offsets and not num_flags else None)
     # The Triton build's coords check: a flag other than -1 names a row.
     if check and flag_values is not None and max(flag_values) >= 0:
         raise_coords_problems(coords, shape, batch_size, *problem_rows(flag_values, coords.shape[0]))

@@ -73,9 +73,19 @@ def problem_rows(encoded: list[int], n: int) -> list[int]:
     return [n - 1 - value for value in encoded]
 
 
+def coords_problem_flags(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
+                         batch_size: int, spare_slots: int = 0) -> torch.Tensor:
+    """Device int64 [PROBLEM_SLOTS + spare_slots]: the encoded first row outside the grid and a
+    row whose coordinate another row also has (decode with problem_rows), then spare slots for
+    the caller to read in the same sync. No host sync. One hash insert pass (the map of a
+    1x1x1 kernel)."""
+    return submanifold_neighbor_map_triton(coords, spatial_shape, batch_size, ConvGeometry.make(1),
+                                           spare_slots=spare_slots)[1]
+
+
 def coords_problems(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
                     batch_size: int) -> list[int]:
     """The first row outside the grid and a row whose coordinate another row also has, N where
-    there is none (one host sync). One hash insert pass (the map of a 1x1x1 kernel)."""
-    encoded = submanifold_neighbor_map_triton(coords, spatial_shape, batch_size, ConvGeometry.make(1))[1]
-    return problem_rows(encoded.tolist(), coords.shape[0])
+    there is none (one host sync)."""
+    return problem_rows(coords_problem_flags(coords, spatial_shape, batch_size).tolist(),
+                        coords.shape[0])

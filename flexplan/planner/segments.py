@@ -84,21 +84,23 @@ def _use_triton(neighbor_map: torch.Tensor, backend: str) -> bool:
 
 def plan_schedule(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...], backend: str = "auto",
                   readback: torch.Tensor | None = None, num_flags: int = 0,
-                  signal_offsets: int | None = None, layout: ScheduleLayout | None = None):
+                  signal_offsets: int | None = None, layout: ScheduleLayout | None = None,
+                  pairs_total: int | None = None):
     """(GatherMap, valid_signal's triple, flags as ints or None): the whole schedule of one map.
 
     readback: None, or an int64 tensor on the map's device of num_flags + layout.readback_slots
     entries (layout: segments_triton.schedule_layout of the map), the first num_flags the
     caller's flags (e.g. the build's input checks), read in the same host sync as the schedule's
     own sizes, the rest -1 (the Triton path writes its sizes and state there). The Triton path
-    makes one host sync in all. signal_offsets: as in valid_signal.
+    makes one host sync in all, none when it has no flags to read and is given pairs_total
+    (the number of pairs, e.g. 0 for signal_offsets 0). signal_offsets: as in valid_signal.
     """
     signal_offsets = neighbor_map.shape[1] if signal_offsets is None else signal_offsets
     if _use_triton(neighbor_map, backend):
         from .segments_triton import plan_schedule_triton
 
         return plan_schedule_triton(neighbor_map, block_sizes, signal_offsets, readback, num_flags,
-                                    layout)
+                                    layout, pairs_total)
     return (gather_map(neighbor_map, block_sizes, "torch"),
             valid_signal(neighbor_map, "torch", signal_offsets),
             readback[:num_flags].tolist() if num_flags else None)

@@ -1,0 +1,157 @@
+"""Where a fresh-coordinate step waits for the GPU: every host sync torch reports
+(torch.cuda.set_sync_debug_mode) during flexplan train / inference steps of the bench_e2e
+networks (fp16, a new LiDAR batch every step), grouped by the flexplan line that caused it;
+then the host's wall time per step inside plan lookups and builds (SparseTensor.get_plan) and
+inside convolutions (ops.sparse_conv.sparse_conv, forward; backward runs in autograd).
+
+Usage (GPU): python3 scripts/probe_syncs.py [--steps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import os
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-syncs-"))
+
+import flexplan.nn.spconv as sp  # noqa: E402
+import flexplan.sparse_tensor as sparse_tensor  # noqa: E402
+from e2e_networks import LidarUNet, VoxelResBackBone8x  # noqa: E402
+from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
+
+DETAIL = False
+NETS = {"encoder": VoxelResBackBone8x, "unet": LidarUNet}
+
+
+def sync_site() -> str:
+    """The innermost flexplan frame of the current stack (else the innermost non-torch one)."""
+    frames = traceback.extract_stack()[:-3]
+    for frame in reversed(frames):
+        if "/flexplan/" in frame.filename:
+            return f"{frame.filename.split('/flexplan/')[-1]}:{frame.lineno} {frame.name}"
+    for frame in reversed(frames):
+        if "torch" not in frame.filename and "warnings" not in frame.filename:
+            return f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}"
+    return "?"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3, help="steps of the sync count")
+    parser.add_argument("--timed", type=int, default=20, help="steps of the host times")
+    parser.add_argument("--detail", action="store_true",
+                        help="each get_plan (g) and sparse_conv (s) call's median host ms")
+    args = parser.parse_args()
+    global DETAIL
+    DETAIL = args.detail
+    device = torch.device("cuda")
+    scans = lidar_scans(2, 0, device)
+    for name, cls in NETS.items():
+        for phase in ("infer", "train"):
+            torch.manual_seed(0)
+            net = cls(sp).to(device).half()
+            opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+            batches = [lidar_batch(i, 2, 0, device, scans=scans)
+                       for i in range(5 + args.steps + args.timed)]
+            batches = [b._replace(features=b.features.half()) for b in batches]
+
+            def step(batch):
+                x = sp.SparseConvTensor(batch.features, batch.indices, list(batch.spatial_shape), 2)
+                if phase == "train":
+                    opt.zero_grad(set_to_none=True)
+                    net.loss(net(x), batch.labels).backward()
+                    opt.step()
+                else:
+                    with torch.no_grad():
+                        net.eval()(x)
+
+            for b in batches[:5]:
+                step(b)
+            torch.cuda.synchronize()
+            timed = time_parts(step, batches[5 + args.steps:])
+            torch.cuda.synchronize()
+            sites = collections.Counter()
+            original = warnings.showwarning
+            warnings.showwarning = lambda *a, **k: sites.update([sync_site()])
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("always")
+                    warnings.showwarning = lambda *a, **k: sites.update([sync_site()])
+                    for b in batches[5:5 + args.steps]:
+                        step(b)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                warnings.showwarning = original
+            torch.cuda.synchronize()
+            total = sum(sites.values())
+            print(f"== {name} {phase}: {total / args.steps:.1f} syncs per step")
+            for site, count in sites.most_common():
+                print(f"  {count / args.steps:5.1f}  {site}")
+            print("  host ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in timed.items()))
+
+
+def time_parts(step, batches) -> dict:
+    """Median wall ms per step: the whole step (synchronized), and the host time inside
+    get_plan and sparse_conv (outermost calls only)."""
+    totals = {"get_plan": 0.0, "sparse_conv": 0.0}
+    depth = [0]
+    calls = []  # (name, ms) of the outermost calls, in order, over all steps
+
+    def timing(name, fn):
+        def wrapper(*args, **kwargs):
+            if depth[0]:
+                return fn(*args, **kwargs)
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = time.perf_counter() - start
+                totals[name] += took
+                calls.append((name, took * 1e3))
+                depth[0] -= 1
+        return wrapper
+
+    # (flexplan.ops re-exports the function under its module's name: fetch the module itself)
+    real_plan = sparse_tensor.SparseTensor.get_plan
+    real_conv = importlib.import_module("flexplan.ops.sparse_conv").sparse_conv
+    sparse_tensor.SparseTensor.get_plan = timing("get_plan", real_plan)
+    modules = [m for m in list(sys.modules.values())
+               if getattr(m, "sparse_conv", None) is real_conv]
+    for m in modules:
+        m.sparse_conv = timing("sparse_conv", real_conv)
+    steps = []
+    try:
+        for b in batches:
+            start = time.perf_counter()
+            step(b)
+            torch.cuda.synchronize()
+            steps.append(time.perf_counter() - start)
+    finally:
+        sparse_tensor.SparseTensor.get_plan = real_plan
+        for m in modules:
+            m.sparse_conv = real_conv
+    steps.sort()
+    if DETAIL:  # per call position within a step: the median over the steps
+        per_step = len(calls) // len(batches)
+        if per_step * len(batches) == len(calls):
+            cols = [sorted(calls[i + k * per_step][1] for k in range(len(batches)))
+                    for i in range(per_step)]
+            print("  calls: " + " ".join(f"{calls[i][0][0]}{c[len(c) // 2]:.2f}"
+                                         for i, c in enumerate(cols)))
+    return {"step": steps[len(steps) // 2] * 1e3,
+            **{k: v / len(batches) * 1e3 for k, v in totals.items()}}
+
+
+if __name__ == "__main__":
+    main()

@@ -18,6 +18,7 @@ import weakref
 
 import torch
 
+from .device_guard import on_device_of
 from .kernels_src import plan_hash
 from .launcher import launch
 def _signed(value: int) -> int:
@@ -81,7 +82,8 @@ def digest_lanes(coords: torch.Tensor, use_triton: bool | None = None,
     triton_path = (coords.is_cuda and not _triton_failed) if use_triton is None else use_triton
     if triton_path:
         try:
-            return _lane_sums_triton(words, out)
+            with on_device_of(words):
+                return _lane_sums_triton(words, out)
         except Exception as exc:  # noqa: BLE001 - a compile failure must not stop convolutions
             if use_triton:
                 raise

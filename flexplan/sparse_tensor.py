@@ -7,6 +7,7 @@ import torch
 
 from .coords_hash import (coords_identity, digest_identity, digest_lanes, known_identity,
                           lanes_to_digest, remember_identity)
+from .device_guard import on_device_of
 from .geometry import triple
 
 
@@ -52,10 +53,11 @@ def check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batc
         from .planner.hashmap import coords_problem_flags, problem_rows
 
         need_identity = known_identity(coords) is None
-        flags = coords_problem_flags(coords, spatial_shape, batch_size, spare_slots=2)
-        if need_identity:
-            digest_lanes(coords, out=flags[2:])
-        values = flags.tolist()  # the one host sync
+        with on_device_of(coords):
+            flags = coords_problem_flags(coords, spatial_shape, batch_size, spare_slots=2)
+            if need_identity:
+                digest_lanes(coords, out=flags[2:])
+            values = flags.tolist()  # the one host sync
         if need_identity:
             remember_identity(coords, digest_identity(lanes_to_digest(values[2:])))
         raise_coords_problems(coords, spatial_shape, batch_size, *problem_rows(values[:2], n))

@@ -28,7 +28,7 @@ import flexplan.sparse_tensor as sparse_tensor  # noqa: E402
 from e2e_networks import LidarUNet, VoxelResBackBone8x  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
 
-DETAIL = False
+DETAIL = SYNC_BEFORE = False
 NETS = {"encoder": VoxelResBackBone8x, "unet": LidarUNet}
 
 
@@ -50,13 +50,18 @@ def main():
     parser.add_argument("--timed", type=int, default=20, help="steps of the host times")
     parser.add_argument("--detail", action="store_true",
                         help="each get_plan (g) and sparse_conv (s) call's median host ms")
+    parser.add_argument("--sync-before", action="store_true",
+                        help="synchronize before each timed call (not timed)")
+    parser.add_argument("--networks", default="encoder,unet")
+    parser.add_argument("--phases", default="infer,train")
     args = parser.parse_args()
-    global DETAIL
-    DETAIL = args.detail
+    global DETAIL, SYNC_BEFORE
+    DETAIL, SYNC_BEFORE = args.detail, args.sync_before
     device = torch.device("cuda")
     scans = lidar_scans(2, 0, device)
-    for name, cls in NETS.items():
-        for phase in ("infer", "train"):
+    for name in args.networks.split(","):
+        cls = NETS[name]
+        for phase in args.phases.split(","):
             torch.manual_seed(0)
             net = cls(sp).to(device).half()
             opt = torch.optim.SGD(net.parameters(), lr=1e-3)
@@ -112,6 +117,8 @@ def time_parts(step, batches) -> dict:
             if depth[0]:
                 return fn(*args, **kwargs)
             depth[0] += 1
+            if SYNC_BEFORE:  # an idle GPU at the call: does its host time depend on the queue?
+                torch.cuda.synchronize()
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)

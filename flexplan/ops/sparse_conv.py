@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import torch
 
+from ..device_guard import on_device_of
 from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, IM2COL_BLOCK_K,
                               IM2COL_BLOCK_M, SCHEDULE_CHUNK, WGRAD, KernelConfig, Problem,
                               choose_algo, config_dtype, dot_precision,
@@ -324,5 +325,5 @@ def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
     # Under autocast the op's own torch ops (sums, explicit GEMMs) must not cast again.
     scope = (torch.autocast(feats.device.type, enabled=False) if cast is not None
              else contextlib.nullcontext())
-    with scope:
+    with on_device_of(feats), scope:
         return SparseConvFunction.apply(feats.contiguous(), w, b, plan, algo, bool(allow_tf32))

@@ -5,6 +5,7 @@ from typing import Sequence
 
 import torch
 
+from ..device_guard import on_device_of
 from ..geometry import ConvGeometry, triple
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..plan import ConvPlan, mirrored_signal_offsets, signal_fields
@@ -34,8 +35,14 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
     shape = triple(spatial_shape, "spatial_shape")
     if backend not in BACKENDS:
         raise ValueError(f"unknown planner backend {backend!r}; choose one of {BACKENDS}")
+    check_coords_layout(coords)
     if backend == "auto":
         backend = "triton" if coords.is_cuda else "torch"
+    with on_device_of(coords):
+        return _build_plan(coords, shape, batch_size, geometry, backend, check, training)
+
+
+def _build_plan(coords, shape, batch_size, geometry, backend, check, training) -> ConvPlan:
     if not geometry.submanifold:
         if check:
             check_coords(coords, shape, batch_size)
@@ -50,8 +57,6 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
         nmap = submanifold_neighbor_map_torch(coords, shape, batch_size, geometry)
         problems = layout = None
     else:
-        if check:
-            check_coords_layout(coords)
         # The schedule's sizes and state ride behind the problems, filled with the hash table
         # and read back with the problems in one sync.
         layout = schedule_layout(coords.shape[0], geometry.volume, PLAN_BLOCK_SIZES, signal_offsets)

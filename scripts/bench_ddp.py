@@ -1,0 +1,121 @@
+"""Data-parallel training throughput: the bench_e2e encoder (or U-Net) under
+DistributedDataParallel with SyncBatchNorm on 1 and 2 GPUs, fresh coordinates every step on
+every rank, flexplan and spconv in the same run (scripts/ddp_train.py runs the ranks).
+
+Usage (GPU machine with 2 GPUs): python3 scripts/bench_ddp.py [--network encoder]
+       [--world-sizes 1,2] [--libraries flexplan,spconv] [--steps 30] [--warmup 10]
+Results: scripts/results/bench_ddp.jsonl (one JSON line per library and world size, with a
+world_size field) and bench_ddp.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+
+import ddp_train  # noqa: E402
+
+RESULTS = SCRIPTS / "results" / "bench_ddp.md"
+
+
+def step_times(results: list[dict]) -> list[float]:
+    """Per step, the slowest rank's time (the ranks start each step together)."""
+    return [max(ts) for ts in zip(*(r["times"] for r in results))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--network", default="encoder", choices=("encoder", "unet"))
+    parser.add_argument("--world-sizes", default="1,2")
+    parser.add_argument("--libraries", default="flexplan,spconv")
+    parser.add_argument("--dtype", default="fp16", choices=("fp16", "fp32"))
+    parser.add_argument("--scans-per-rank", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--no-sync-bn", action="store_true",
+                        help="plain BatchNorm (per-rank statistics) instead of SyncBatchNorm")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    sizes = [int(w) for w in args.world_sizes.split(",")]
+    if max(sizes) > torch.cuda.device_count():
+        parser.error(f"--world-sizes {args.world_sizes}: only {torch.cuda.device_count()} GPUs")
+    import triton
+
+    meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
+            "torch": torch.__version__, "triton": triton.__version__,
+            "network": args.network, "dtype": args.dtype, "scans_per_rank": args.scans_per_rank,
+            "steps": args.steps, "warmup": args.warmup, "sync_bn": not args.no_sync_bn}
+    rows = []
+    for library in args.libraries.split(","):
+        for world in sizes:
+            job = ddp_train.Job(library=library, network=args.network, dtype=args.dtype,
+                                scans_per_rank=args.scans_per_rank, steps=args.steps,
+                                warmup=args.warmup, sync_bn=not args.no_sync_bn)
+            try:
+                results = ddp_train.run(world, job)
+            except Exception as exc:  # noqa: BLE001 - a peer that fails is a row, not a stop
+                rows.append({**meta, "library": library, "world_size": world,
+                             "error": f"{type(exc).__name__}: {exc}"[:300]})
+                print(f"{library} world_size={world}: {rows[-1]['error']}", flush=True)
+                continue
+            times = step_times(results)
+            ms = statistics.median(times) * 1e3
+            row = {**meta, "library": library, "world_size": world, "step_ms": round(ms, 2),
+                   "scans_per_s": round(world * args.scans_per_rank / (ms / 1e3), 1),
+                   "voxels_per_rank": round(statistics.mean(r["voxels"] for r in results)),
+                   "compiles": sum(r["compiles"] for r in results)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    lines = summary(rows, meta)
+    print("\n".join(lines))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("\n".join(lines) + "\n")
+        with out.with_suffix(".jsonl").open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+def summary(rows: list[dict], meta: dict) -> list[str]:
+    lines = [f"# DDP training throughput ({meta['date']})", "",
+             f"{meta['gpu']}; torch {meta['torch']}, Triton {meta['triton']}. Network "
+             f"{meta['network']}, {meta['dtype']}, {meta['scans_per_rank']} scans per rank per "
+             f"step, fresh coordinates every step on every rank; "
+             f"{'SyncBatchNorm' if meta['sync_bn'] else 'BatchNorm (per rank)'}, NCCL; "
+             f"{meta['warmup']} warm-up steps, then the median of {meta['steps']} (the slowest "
+             "rank's time per step).", "",
+             "| library | GPUs | step ms | scans/s | scaling vs 1 GPU | voxels per rank | compiles |",
+             "|---|---|---|---|---|---|---|"]
+    one = {r["library"]: r.get("scans_per_s") for r in rows if r["world_size"] == 1}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['library']} | {r['world_size']} | error | | | | |")
+            continue
+        base = one.get(r["library"])
+        scale = f"{r['scans_per_s'] / base:.2f}x" if base else "-"
+        lines.append(f"| {r['library']} | {r['world_size']} | {r['step_ms']:.1f} | "
+                     f"{r['scans_per_s']:.1f} | {scale} | {r['voxels_per_rank']} | {r['compiles']} |")
+    by = {(r["library"], r["world_size"]): r.get("scans_per_s") for r in rows}
+    for world in sorted({r["world_size"] for r in rows}):
+        fx, sp = by.get(("flexplan", world)), by.get(("spconv", world))
+        if fx and sp:
+            lines.append(f"\n{world} GPU(s): flexplan / spconv throughput {fx / sp:.2f}x")
+    errors = [r for r in rows if "error" in r]
+    if errors:
+        lines += ["", "Errors:"] + [f"- {r['library']} x{r['world_size']}: {r['error']}" for r in errors]
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""DistributedDataParallel training of the scripts/bench_e2e.py networks, one process per rank,
+shared by scripts/bench_ddp.py (throughput) and tests/test_ddp.py (gradients).
+
+Each rank trains on its own stream of fresh LiDAR-like batches (flexplan.workloads.lidar_batch,
+seeded by rank), as a data-parallel detector job does; every rank points FLEXPLAN_CACHE_DIR at
+the same directory. On GPUs rank r runs on cuda:r with SyncBatchNorm and NCCL; on the CPU, gloo
+and plain BatchNorm (SyncBatchNorm needs GPUs).
+
+run(world_size, job) spawns the ranks and returns what each rank's job wrote (a dict per rank).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Job:
+    """One training run on every rank."""
+    library: str = "flexplan"  # or "spconv"
+    network: str = "encoder"  # bench_e2e network
+    small: bool = False  # bench_e2e's --small sizes (tests)
+    device: str = "cuda"  # "cuda" (rank r on cuda:r, NCCL, SyncBatchNorm) or "cpu" (gloo)
+    dtype: str = "fp16"  # fp16 (model and data half) or fp32
+    scans_per_rank: int = 2
+    warmup: int = 10
+    steps: int = 30
+    seed: int = 0
+    cache_dir: str = ""  # shared by the ranks ("" : a new temp dir)
+    sync_bn: bool = True  # SyncBatchNorm on GPUs (False: each rank's own statistics)
+    record_grads: bool = False  # write each parameter's gradient after one step (no timing)
+    extra: dict = field(default_factory=dict)
+
+
+def namespace(library: str):
+    if library == "spconv":
+        import spconv.pytorch as sp
+        return sp
+    import flexplan.nn.spconv as sp
+    return sp
+
+
+def make_model(job: Job, device: torch.device, distributed: bool) -> nn.Module:
+    from bench_e2e import sizes_for
+    from e2e_networks import NETWORKS
+
+    torch.manual_seed(job.seed)  # the same initial weights on every rank and in references
+    sizes = sizes_for(job.small)
+    net = NETWORKS[job.network](namespace(job.library), base=sizes.base)
+    if distributed and device.type == "cuda" and job.sync_bn:
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    net = net.to(device)
+    return net.half() if job.dtype == "fp16" else net
+
+
+def batches_for(job: Job, rank: int, count: int, device: torch.device, first: int = 0) -> list:
+    """`count` fresh batches of rank `rank`'s stream, from step `first` on."""
+    from bench_e2e import sizes_for
+    from flexplan.workloads import lidar_batch, lidar_scans
+
+    sizes = sizes_for(job.small)
+    scans = lidar_scans(sizes.scenes, job.seed, device, **sizes.scan)
+    out = []
+    for step in range(first, first + count):
+        b = lidar_batch(step, job.scans_per_rank, job.seed + 1000 * (rank + 1), device,
+                        sizes.grid, scans=scans)
+        out.append(b._replace(features=b.features.half()) if job.dtype == "fp16" else b)
+    return out
+
+
+def train_step(model, loss_fn, opt, batch, sp, batch_size: int):
+    x = sp.SparseConvTensor(batch.features, batch.indices, list(batch.spatial_shape), batch_size)
+    opt.zero_grad(set_to_none=True)
+    loss_fn(model(x), batch.labels).backward()
+    opt.step()
+
+
+def _rank_main(rank: int, world_size: int, job: Job, init_file: str, out_dir: str) -> None:
+    os.environ["FLEXPLAN_CACHE_DIR"] = job.cache_dir
+    use_cuda = job.device == "cuda"
+    if use_cuda:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=world_size)
+    try:
+        result = _train(rank, world_size, job, device)
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _train(rank: int, world_size: int, job: Job, device: torch.device) -> dict:
+    sp = namespace(job.library)
+    net = make_model(job, device, distributed=True)
+    loss_fn = type(net).loss
+    model = nn.parallel.DistributedDataParallel(
+        net, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if job.record_grads:
+        batch = batches_for(job, rank, 1, device)[0]
+        x = sp.SparseConvTensor(batch.features, batch.indices, list(batch.spatial_shape),
+                                job.scans_per_rank)
+        loss_fn(model(x), batch.labels).backward()
+        return {"grads": {n: p.grad.detach().cpu() for n, p in net.named_parameters()}}
+    batches = batches_for(job, rank, job.warmup + job.steps, device)
+    for b in batches[:job.warmup]:
+        train_step(model, loss_fn, opt, b, sp, job.scans_per_rank)
+    compiles_before = _compiles()
+    times = []
+    for b in batches[job.warmup:]:
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        train_step(model, loss_fn, opt, b, sp, job.scans_per_rank)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    voxels = sum(b.indices.shape[0] for b in batches[job.warmup:]) / job.steps
+    return {"times": times, "voxels": voxels, "compiles": _compiles() - compiles_before}
+
+
+def _compiles() -> int:
+    """Triton kernel binaries flexplan's kernels hold in this process so far (bench_e2e's count:
+    JIT compiles and binaries an AOT bundle handed to the JIT)."""
+    from bench_e2e import flexplan_jit_functions, jit_cache_entries
+
+    return sum(jit_cache_entries(flexplan_jit_functions()).values())
+
+
+def run(world_size: int, job: Job) -> list[dict]:
+    """Spawn world_size ranks running `job`; each rank's result, by rank."""
+    with tempfile.TemporaryDirectory(prefix="flexplan-ddp-") as tmp:
+        if not job.cache_dir:
+            job.cache_dir = os.path.join(tmp, "cache")
+        init_file = os.path.join(tmp, "init")
+        mp.spawn(_rank_main, args=(world_size, job, init_file, tmp), nprocs=world_size, join=True)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world_size)]
+
+
+def single_process_grads(job: Job, rank: int, device: torch.device) -> dict:
+    """The gradients DistributedDataParallel averages, computed without it: rank `rank`'s first
+    batch through a plain (not synchronized) copy of the same model."""
+    sp = namespace(job.library)
+    net = make_model(job, device, distributed=False)
+    batch = batches_for(job, rank, 1, device)[0]
+    x = sp.SparseConvTensor(batch.features, batch.indices, list(batch.spatial_shape),
+                            job.scans_per_rank)
+    type(net).loss(net(x), batch.labels).backward()
+    return {n: p.grad.detach().cpu() for n, p in net.named_parameters()}
+
+
+def combined_grads(job: Job, world_size: int, device: torch.device) -> dict:
+    """What a SyncBatchNorm DDP step of world_size ranks computes, in one process: every rank's
+    first batch in one tensor (batch indices offset by rank), plain BatchNorm over all of it.
+    Equal to DDP's averaged gradient where the loss is a mean over equally sized per-rank parts
+    (the encoder's BEV map: every rank has scans_per_rank maps of one size)."""
+    sp = namespace(job.library)
+    net = make_model(job, device, distributed=False)
+    parts = [batches_for(job, r, 1, device)[0] for r in range(world_size)]
+    indices = []
+    for r, b in enumerate(parts):
+        shifted = b.indices.clone()
+        shifted[:, 0] += r * job.scans_per_rank
+        indices.append(shifted)
+    x = sp.SparseConvTensor(torch.cat([b.features for b in parts]), torch.cat(indices),
+                            list(parts[0].spatial_shape), job.scans_per_rank * world_size)
+    type(net).loss(net(x), torch.cat([b.labels for b in parts])).backward()
+    return {n: p.grad.detach().cpu() for n, p in net.named_parameters()}
+
+
+def job_fields(job: Job) -> dict:
+    return asdict(job)

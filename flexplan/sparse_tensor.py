@@ -187,12 +187,9 @@ class SparseTensor:
         plan = self._plans.get(geometry)
         if plan is None or not plan.serves(training):
             from .cache import cached_plan
-            from .cache.key import plan_key
 
-            key = plan_key(self.coords, self.spatial_shape, self.batch_size, geometry,
-                           self.coords_identity(), training)
             plan = cached_plan(self.coords, self.spatial_shape, self.batch_size, geometry,
-                               check=False, key=key, training=training)
+                               check=False, identity=self.coords_identity(), training=training)
             self._plans[geometry] = plan
         return plan
 

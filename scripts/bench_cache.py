@@ -23,7 +23,7 @@ import triton
 
 from flexplan import ConvGeometry, build_plan
 from flexplan.cache import PlanCache
-from flexplan.cache.format import plan_nbytes, read_plan
+from flexplan.cache.format import plan_nbytes, plan_problem, read_plan
 from flexplan.cache.key import plan_key
 from flexplan.cache.policy import Policy
 from flexplan.workloads import sphere_shell
@@ -59,6 +59,9 @@ def bench_one(R, device, geom, workdir, repeat):
                                           build_seconds=build_s), device, 1)
     path = writer.disk.path(key)
     load_s, loaded = timed(lambda: read_plan(path, device, expect_key=key)[0], device, repeat)
+    # The load's validation of every index (format.plan_problem; part of load_ms above), alone.
+    check_s, problem = timed(lambda: plan_problem(loaded), device, max(repeat, 5))
+    assert problem is None
     assert all(torch.equal(a, b) for a, b in zip(plan.tensors().values(), loaded.tensors().values()))
     hit_s, _ = timed(lambda: writer.get_or_build(coords, shape, 1, geom, backend=BACKEND, check=False), device, max(repeat, 5))
     # A fresh cache in auto mode that has timed one build (of another coordinate set) on this
@@ -79,7 +82,8 @@ def bench_one(R, device, geom, workdir, repeat):
     del plan, loaded
     return dict(R=R, N=n, plan_mb=plan_nbytes(writer.memory.items()[0][1]) / 2**20,
                 file_mb=file_bytes / 2**20, build_ms=build_s * 1e3, key_ms=key_s * 1e3,
-                write_ms=write_s * 1e3, load_ms=load_s * 1e3, hit_ms=hit_s * 1e3,
+                write_ms=write_s * 1e3, load_ms=load_s * 1e3, check_ms=check_s * 1e3,
+                hit_ms=hit_s * 1e3,
                 auto_ms=auto_s * 1e3, auto=choice)
 
 
@@ -118,13 +122,13 @@ def main(argv=None) -> int:
              f"Device: {name}; torch {torch.__version__}, Triton {triton.__version__}; "
              f"{os.cpu_count()} CPU cores; planner backend {BACKEND!r}. Sphere shells (thickness 1), batch 1, 3x3x3 submanifold; "
              f"median of {args.repeat}. Disk loads read a file just written (page cache warm).", "",
-             "| target | R | N | plan MiB | file MiB | build ms | key ms | write ms | disk load ms | memory hit ms | auto ms (choice) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| target | R | N | plan MiB | file MiB | build ms | key ms | write ms | disk load ms | of it: check ms | memory hit ms | auto ms (choice) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [(device.type, R, device) for R in sizes] + [("cpu", R, torch.device("cpu")) for R in cpu_sizes]
     for target, R, dev in rows:
         r = bench_one(R, dev, geom, workdir, args.repeat)
         line = (f"| {target} | {r['R']} | {r['N']:,} | {r['plan_mb']:.1f} | {r['file_mb']:.1f} | "
-                f"{r['build_ms']:.2f} | {r['key_ms']:.3f} | {r['write_ms']:.1f} | {r['load_ms']:.2f} | "
+                f"{r['build_ms']:.2f} | {r['key_ms']:.3f} | {r['write_ms']:.1f} | {r['load_ms']:.2f} | {r['check_ms']:.2f} | "
                 f"{r['hit_ms']:.3f} | {r['auto_ms']:.2f} ({r['auto']}) |")
         print(line, flush=True)
         lines.append(line)
@@ -132,7 +136,9 @@ def main(argv=None) -> int:
     if args.train_demo:
         lines += ["", "## scripts/train_demo_cache.py --workers 4 (same run)", "", "```",
                   *train_demo_lines(), "```"]
-    lines += ["", "key ms: the 128-bit coordinate hash on the device (the cost every cached call pays). "
+    lines += ["", "check ms: the load's validation of every index of the plan (ranges, monotone "
+              "segments; format.plan_problem), included in disk load ms. "
+              "key ms: the 128-bit coordinate hash on the device (the cost every cached call pays). "
               "auto ms: cached_plan with empty memory and the file on disk, after the policy has timed "
               "one build on this device: it loads where loading beats the build, else rebuilds "
               "(where a timed build beats any load's fixed latency it skips the disk: a rebuild plus the key)."]

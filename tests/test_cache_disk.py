@@ -12,6 +12,8 @@ import flexplan.cache.disk as disk_module
 from flexplan import ConvGeometry, SparseTensor, build_plan
 from flexplan.cache import PlanCache, cli
 from flexplan.cache.format import write_plan
+from flexplan.cache.key import IDENTITY_FIELD
+from flexplan.coords_hash import coords_identity
 from flexplan.cache.policy import Policy
 from flexplan.ops import sparse_conv
 from flexplan.planner.offsets import kernel_offsets
@@ -102,16 +104,57 @@ def test_damaged_file_warns_once_is_removed_and_rebuilt(tmp_path, damage):
         assert_same_plan(plan, cache_at(tmp_path).get_or_build(coords, SHAPE, 2, GEOM))
 
 
+def _identity_field(coords) -> dict:
+    return {IDENTITY_FIELD: coords_identity(coords).hex()}
+
+
 def test_file_of_other_coords_under_this_key_is_not_used(tmp_path):
-    """A (simulated) key collision: header checks out but N / coords differ -> rebuilt."""
-    coords, other = make_coords(seed=1), make_coords(seed=2, num=200)
+    """A (simulated) key collision: a sound file whose scalars and recorded identity check out,
+    under this key, but whose coordinates differ -> rebuilt."""
+    coords, other = make_coords(seed=1), make_coords(seed=2)
+    n = min(coords.shape[0], other.shape[0])
+    coords, other = coords[:n].contiguous(), other[:n].contiguous()
     cache = cache_at(tmp_path)
     key = cache.key(coords, SHAPE, 2, GEOM)
-    with open(cache.disk.path(key), "wb") as out:
-        write_plan(out, build_plan(other, SHAPE, 2, GEOM), key)
+    with open(cache.disk.path(key), "wb") as out:  # (claims this key's identity: binds)
+        write_plan(out, build_plan(other, SHAPE, 2, GEOM), key, _identity_field(coords))
     plan = cache.get_or_build(coords, SHAPE, 2, GEOM)
     assert cache.stats()["collisions"] >= 1 and cache.stats()["builds"] == 1
     assert_same_plan(plan, build_plan(coords, SHAPE, 2, GEOM))
+
+
+STRIDED = ConvGeometry.make(3, stride=2, padding=1, submanifold=False)
+
+
+@pytest.mark.parametrize("binding", ["other coordinates", "none (an older file)"])
+def test_strided_plan_of_other_coordinates_with_the_same_rows_is_refused(tmp_path, binding):
+    """A strided plan keeps only its output coordinates, so a plan of other input coordinates
+    with the same row count, filed under this key, passes every shape check; the identity its
+    writer recorded does not hash to this key: refused with one warning, rebuilt, and flagged by
+    `cache verify`. The answer equals a fresh build's."""
+    a, b = make_coords(seed=11), make_coords(seed=12)
+    n = min(a.shape[0], b.shape[0])
+    a, b = a[:n].contiguous(), b[:n].contiguous()
+    cache = cache_at(tmp_path)
+    key = cache.key(a, SHAPE, 2, STRIDED)
+    forged = build_plan(b, SHAPE, 2, STRIDED)
+    with open(cache.disk.path(key), "wb") as out:
+        write_plan(out, forged, key, _identity_field(b) if binding != "none (an older file)" else {})
+    assert disk_module.verify_file(cache.disk.path(key)) is not None
+    with pytest.warns(RuntimeWarning, match="identity"):
+        plan = cache.get_or_build(a, SHAPE, 2, STRIDED)
+    assert cache.stats()["corrupt"] == 1 and cache.stats()["builds"] == 1
+    assert_same_plan(plan, build_plan(a, SHAPE, 2, STRIDED))
+    assert disk_module.verify_file(cache.disk.path(key)) is None  # rewritten, bound
+    assert_same_plan(cache_at(tmp_path).get_or_build(a, SHAPE, 2, STRIDED), plan)
+
+
+def test_save_plans_refuses_a_plan_it_cannot_bind(tmp_path):
+    builder = cache_at(tmp_path / "cache")
+    a, b = make_coords(seed=7), make_coords(seed=8)
+    plan_b = builder.get_or_build(b, SHAPE, 2, STRIDED)
+    with pytest.raises(ValueError, match="cannot be bound"):
+        builder.save_plans(tmp_path / "shipped", {builder.key(a, SHAPE, 2, STRIDED): plan_b})
 
 
 def test_unwritable_directory_degrades_to_memory(recwarn):
@@ -307,9 +350,49 @@ def test_eviction_skips_files_it_may_not_remove(tmp_path, monkeypatch):
         return real_unlink(self, *args, **kwargs)
 
     monkeypatch.setattr(disk_module.Path, "unlink", unlink)
-    removed = cache.disk.evict(0)
+    with pytest.warns(RuntimeWarning, match="cannot write") as caught:
+        removed = cache.disk.evict(0)
+    assert len(caught) == 1  # said once; the directory takes no more writes
     assert first not in removed and len(removed) == 2
     assert [e[0] for e in cache.disk.entries()] == [first]
+    coords = make_coords(seed=9)
+    check_conv(cache.get_or_build(coords, SHAPE, 2, GEOM), coords, 9)
+    assert len(cache.disk.entries()) == 1 and not cache.disk.writable
+
+
+def test_a_directory_other_users_can_write_is_not_used(tmp_path):
+    """Like ssh's StrictModes: a plan directory writable by group or others is not read (a
+    plan planted there would be served) nor written; said once; plans stay in memory."""
+    coords = make_coords(seed=3)
+    cache_at(tmp_path).get_or_build(coords, SHAPE, 2, GEOM)  # a sound file, written by us
+    files = cache_at(tmp_path).disk.entries()
+    assert len(files) == 1
+    os.chmod(tmp_path, 0o777)
+    try:
+        cache = cache_at(tmp_path)
+        with pytest.warns(RuntimeWarning, match="other users can write it") as caught:
+            plan = cache.get_or_build(coords, SHAPE, 2, GEOM)
+            cache.get_or_build(make_coords(seed=4), SHAPE, 2, GEOM)
+        assert len(caught) == 1
+        assert cache.stats().get("disk_hits", 0) == 0 and cache.stats()["builds"] == 2
+        assert cache.disk.entries() == files  # nothing written
+        check_conv(plan, coords, 3)
+    finally:
+        os.chmod(tmp_path, 0o700)
+
+
+def test_a_plan_file_other_users_can_write_is_refused(tmp_path):
+    coords = make_coords(seed=5)
+    cache_at(tmp_path).get_or_build(coords, SHAPE, 2, GEOM)
+    (path, _, _), = cache_at(tmp_path).disk.entries()
+    os.chmod(path, 0o666)
+    assert "other users can write it" in disk_module.verify_file(path)
+    cache = cache_at(tmp_path)
+    with pytest.warns(RuntimeWarning, match="other users can write it"):
+        plan = cache.get_or_build(coords, SHAPE, 2, GEOM)
+    assert cache.stats()["builds"] == 1
+    check_conv(plan, coords, 5)
+    assert disk_module.verify_file(path) is None  # replaced by our own (0600) file
 
 
 def test_a_stuck_builder_is_named_and_then_passed_by(tmp_path, monkeypatch):
@@ -350,7 +433,9 @@ def test_load_plans_refuses_a_plan_under_another_coordinates_key(tmp_path):
     a, b = a[:n].contiguous(), b[:n].contiguous()  # same row count: only the key tells them apart
     plan_b = builder.get_or_build(b, SHAPE, 2, GEOM)
     key_a = builder.key(a, SHAPE, 2, GEOM)
-    builder.save_plans(tmp_path / "shipped", {key_a: plan_b})
+    (tmp_path / "shipped").mkdir()
+    with open(tmp_path / "shipped" / f"{key_a}.fxplan", "wb") as out:  # lies about its identity
+        write_plan(out, plan_b, key_a, _identity_field(a))
     server = cache_at(tmp_path / "server", mode="never")
     with pytest.warns(RuntimeWarning, match="do not hash to its key"):
         assert server.load_plans(tmp_path / "shipped", device="cpu") == {}

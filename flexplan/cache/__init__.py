@@ -22,7 +22,8 @@ def cached_plan(coords, spatial_shape, batch_size, geometry, **kwargs):
     """The plan of `geometry` over `coords`, built at most once per cache directory.
 
     kwargs: backend ("auto" | "torch" | "triton"), check (validate coords first; default True),
-    key (the plan's key, if the caller derived it: the coordinates are then not hashed).
+    key (the plan's key, if the caller derived it: the coordinates are then not hashed),
+    identity (the coordinates' identity, if the caller has it: the key derives from it).
     """
     return plan_cache.get_or_build(coords, spatial_shape, batch_size, geometry, **kwargs)
 

@@ -49,7 +49,7 @@ def _keys_in(data: bytes) -> list[str]:
 def _append(path: Path, data: bytes) -> int:
     """One O_APPEND write (whole lines, so concurrent appenders do not interleave them on a
     local file system); returns the file's size after it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # (the plan directory: disk.py)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         os.write(fd, data)

@@ -4,13 +4,16 @@ Readers take no lock: writers publish with os.replace, so a reader sees a whole 
 new one, or none. Builders take a per-key file lock so that N processes asking for the same
 missing plan build it once; the others wait, then load. The directory is kept under a byte cap
 by evicting the least recently used files (hits touch mtime, which survives noatime mounts).
-A directory that cannot be written (read-only, full, no permission) turns the writes off with one
-warning; reading and convolving go on.
+A directory that cannot be written (read-only, full, no permission, any write, eviction or lock
+error) turns the writes off with one warning; reading and convolving go on.
+
+Trust boundary (like ssh's StrictModes): plans are read only from a directory, and files, that no
+other user can write: owned by this user (or root) and not writable by group or others. Otherwise
+the disk layer is off for that directory, said once, and plans live in memory.
 """
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import stat
 import tempfile
@@ -21,6 +24,7 @@ from pathlib import Path
 import filelock
 
 from .format import SUFFIX, PlanFileError, read_plan, write_plan
+from .key import identity_binding_problem
 
 # A build takes seconds at most: a lock held this long belongs to a stuck (or huge) builder, so
 # build anyway rather than hang; past LOCK_NOTICE_S the wait is said once, with the lock's path.
@@ -28,9 +32,23 @@ LOCK_TIMEOUT_S = 120.0
 LOCK_NOTICE_S = 5.0
 _TEMP_PREFIX = ".tmp-"
 _STALE_TEMP_S = 3600.0  # temp files of crashed writers older than this are removed by eviction
-# Errors that mean "this directory cannot take writes", as opposed to bugs.
-_UNWRITABLE = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENOENT,
-               errno.ENOTDIR, errno.EEXIST, errno.EFBIG}  # EFBIG: a file-size limit (RLIMIT_FSIZE)
+
+
+def untrusted_reason(path: Path) -> str | None:
+    """Why plans under `path` (a directory or a file) must not be read: another user can write
+    it. None where it is ours (or root's) and not group- or world-writable, or does not exist
+    yet (then we create it). No check where the OS has no user ids."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not hasattr(os, "getuid"):
+        return None
+    if st.st_uid not in (os.getuid(), 0):
+        return f"it is owned by another user (uid {st.st_uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"other users can write it (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
 
 
 class DiskCache:
@@ -39,20 +57,39 @@ class DiskCache:
         self.max_bytes = int(max_bytes)
         self.writable = True
         self.errors = 0
+        self._trust = None  # None: not checked yet; else the reason to distrust it, or ""
 
     def path(self, key: str) -> Path:
         return self.directory / f"{key}{SUFFIX}"
 
+    @property
+    def trusted(self) -> bool:
+        """May plans be read from (and written to) this directory? Checked once per process;
+        an untrusted directory turns the disk layer off with one warning."""
+        if self._trust is None:
+            reason = untrusted_reason(self.directory)
+            self._trust = reason or ""
+            if reason:
+                self.writable = False
+                warnings.warn(f"flexplan plan cache: not using {self.directory}: {reason}, so "
+                              "its plan files cannot be trusted; keeping plans in memory only "
+                              "(use a directory only you can write: chmod go-w, or set "
+                              "FLEXPLAN_CACHE_DIR)", RuntimeWarning, stacklevel=4)
+        return not self._trust
+
     # ---- reading -------------------------------------------------------------------------
     def load(self, key: str, device, accept=None):
-        """(plan, header), (None, header) if accept declined, or (None, None) if absent.
+        """(plan, header), (None, header) if accept declined, or (None, None) if absent (or the
+        directory is not trusted).
 
-        Raises PlanFileError for a corrupt, truncated or foreign file.
+        Raises PlanFileError for a corrupt, truncated, foreign or other-user-writable file.
         """
+        if not self.trusted:
+            return None, None
         path = self.path(key)
         try:
             _require_regular_file(path)
-            plan, header = read_plan(path, device, expect_key=key, accept=accept)
+            plan, header = read_bound_plan(path, device, key, accept)
         except FileNotFoundError:
             return None, None
         if plan is not None:
@@ -73,20 +110,20 @@ class DiskCache:
                           "keeping plans in memory only for this process", RuntimeWarning, stacklevel=4)
 
     def _writable_error(self, exc: OSError) -> bool:
-        if exc.errno in _UNWRITABLE or isinstance(exc, PermissionError):
-            self._disable(exc)
-            return True
-        return False
+        """Any error of a write, a lock or an eviction (full, read-only, EFBIG, EPERM, EISDIR,
+        ...) turns the writes off for this directory, with one warning: never into a conv."""
+        self._disable(exc)
+        return True
 
     @contextlib.contextmanager
     def build_lock(self, key: str):
         """Held while building `key`; a no-op where locks cannot be created."""
-        if not self.writable:
+        if not self.writable or not self.trusted:
             yield
             return
         try:
             lock_dir = self.directory / "locks"
-            lock_dir.mkdir(parents=True, exist_ok=True)
+            lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             # 256 lock stripes by key prefix: a bounded set of lock files that are never deleted
             # (deleting a lock file others hold breaks exclusion); a shared stripe only delays.
             lock = filelock.FileLock(str(lock_dir / f"{key[:2]}.lock"))
@@ -105,11 +142,12 @@ class DiskCache:
 
     def store(self, key: str, plan, extra: dict | None = None) -> bool:
         """Write the plan atomically; False (and writes off) if the directory refuses."""
-        if not self.writable:
+        if not self.writable or not self.trusted:
             return False
         tmp = None
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            # 0700: only we may write where plans are read from (the trust boundary above)
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=_TEMP_PREFIX, suffix=SUFFIX)
             with os.fdopen(fd, "wb") as out:
                 write_plan(out, plan, key, extra)
@@ -156,7 +194,8 @@ class DiskCache:
                 removed.append(path)
             except FileNotFoundError:  # another process evicted it first
                 pass
-            except OSError:  # not ours to remove (another user's, in a sticky directory): skip
+            except OSError as exc:  # not ours to remove: skip it, and write no more here
+                self._writable_error(exc)
                 continue
             total -= size
         self._remove_stale_temps()
@@ -194,17 +233,32 @@ def _acquire(lock: filelock.FileLock, key: str) -> bool:
 
 
 def _require_regular_file(path: Path) -> None:
-    """Raise PlanFileError unless path is a regular file: opening a FIFO by a plan's name would
-    block forever, and a directory is no plan."""
+    """Raise PlanFileError unless path is a regular file that no other user can write: opening a
+    FIFO by a plan's name would block forever, a directory is no plan, and another user's file
+    is not to be trusted."""
+    reason = untrusted_reason(path)
+    if reason:
+        raise PlanFileError(f"{path}: {reason}")
     if not stat.S_ISREG(os.stat(path).st_mode):
         raise PlanFileError(f"{path} is not a regular file")
+
+
+def read_bound_plan(path, device, key: str, accept=None):
+    """format.read_plan of the file of `key`, which must also bind to it: its recorded input
+    coordinates' identity hashes to the key (key.identity_binding_problem); PlanFileError else."""
+    plan, header = read_plan(path, device, expect_key=key, accept=accept)
+    if plan is not None:
+        problem = identity_binding_problem(key, header, plan)
+        if problem is not None:
+            raise PlanFileError(problem)
+    return plan, header
 
 
 def verify_file(path: str | os.PathLike) -> str | None:
     """None if the file loads and checks out, else what is wrong with it."""
     try:
         _require_regular_file(Path(path))
-        read_plan(path, "cpu", expect_key=Path(path).name.removesuffix(SUFFIX))
+        read_bound_plan(path, "cpu", Path(path).name.removesuffix(SUFFIX))
     except PlanFileError as exc:
         return str(exc)
     except OSError as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from dataclasses import asdict
 
 import torch
@@ -35,12 +36,40 @@ def plan_key(coords: torch.Tensor, spatial_shape, batch_size: int, geometry: Con
     """32 hex digits naming the plan of `geometry` over `coords` (any device, same key).
     identity: coords_identity(coords) or a derived_identity, when the caller has it.
     training: False names the inference plan (ConvPlan.for_training), a plan of its own."""
-    h = hashlib.blake2b(_scalars_bytes(str(coords.dtype), int(batch_size),
+    return key_from_identity(coords.shape[0], spatial_shape, batch_size, geometry,
+                             coords_identity(coords) if identity is None else identity, training,
+                             coords_dtype=coords.dtype, coords_columns=coords.shape[1])
+
+
+def key_from_identity(num_rows: int, spatial_shape, batch_size: int, geometry: ConvGeometry,
+                      identity: bytes, training: bool = True, *,
+                      coords_dtype: torch.dtype = torch.int32, coords_columns: int = 4) -> str:
+    """plan_key from the coordinates' row count and identity alone: what a plan file's
+    recorded identity must hash to, with the plan's own scalars (identity_binding_problem)."""
+    h = hashlib.blake2b(_scalars_bytes(str(coords_dtype), int(batch_size),
                                        tuple(int(s) for s in spatial_shape), geometry,
                                        bool(training)), digest_size=16)
-    h.update(b"".join(int(n).to_bytes(8, "little") for n in coords.shape))
-    h.update(coords_identity(coords) if identity is None else identity)
+    h.update(int(num_rows).to_bytes(8, "little") + int(coords_columns).to_bytes(8, "little"))
+    h.update(identity)
     return h.hexdigest()
+
+
+IDENTITY_FIELD = "coords_identity"  # the plan file header's record of the input coordinates
+_HEX_IDENTITY = re.compile(r"[0-9a-f]{32}")
+
+
+def identity_binding_problem(key: str, header: dict, plan) -> str | None:
+    """None if the plan file binds to its key: the identity of the input coordinates recorded in
+    its header, hashed with the plan's own row count and scalars, gives `key`. A plan of other
+    coordinates (a strided plan of the same row count, say) filed under this key fails: it
+    would otherwise be served for coordinates it was not built from. No device work."""
+    recorded = header.get(IDENTITY_FIELD)
+    if not isinstance(recorded, str) or not _HEX_IDENTITY.fullmatch(recorded):
+        return "the file records no identity of its input coordinates"
+    if key_from_identity(plan.num_in, plan.in_spatial_shape, plan.batch_size, plan.geometry,
+                         bytes.fromhex(recorded), plan.for_training) != key:
+        return "its input coordinates' identity does not hash to its key (a plan of other coordinates)"
+    return None
 
 
 @functools.lru_cache(maxsize=1024)

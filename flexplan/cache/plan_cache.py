@@ -19,8 +19,10 @@ from ..plan import ConvPlan
 from ..sparse_tensor import SparseTensorError, check_coords
 from .admission import SeenKeys
 from .disk import DiskCache
-from .format import SUFFIX, PlanFileError, plan_nbytes, read_plan, write_plan
-from .key import plan_key
+from ..coords_hash import coords_identity
+from .disk import read_bound_plan
+from .format import SUFFIX, PlanFileError, plan_nbytes, write_plan
+from .key import IDENTITY_FIELD, key_from_identity, plan_key
 from .memory import MemoryCache
 from .policy import Policy, check_mode
 
@@ -86,7 +88,8 @@ class PlanCache:
         self._admissions: dict[Path, SeenKeys] = {}
         self._counts: Counter = Counter()
         self._seconds: Counter = Counter()
-        self._keys: dict[int, tuple[weakref.ref, str]] = {}  # id(plan) -> key, for save_plans
+        # id(plan) -> (plan, key, identity of its input coordinates or None), for save_plans
+        self._keys: dict[int, tuple[weakref.ref, str, bytes | None]] = {}
         self._lock = threading.Lock()
 
     # ---- configuration -------------------------------------------------------------------
@@ -132,16 +135,41 @@ class PlanCache:
             if seconds is not None:
                 self._seconds[what] += seconds
 
-    def _remember(self, key: str, plan: ConvPlan) -> ConvPlan:
+    def _remember(self, key: str, plan: ConvPlan, identity: bytes | None = None) -> ConvPlan:
         ident = id(plan)
         with self._lock:
-            self._keys[ident] = (weakref.ref(plan, lambda _: self._keys.pop(ident, None)), key)
+            self._keys[ident] = (weakref.ref(plan, lambda _: self._keys.pop(ident, None)), key,
+                                 identity)
         return plan
 
     def key_of(self, plan: ConvPlan) -> str | None:
         """The key of a plan this cache handed out, if it is still alive."""
-        ref, key = self._keys.get(id(plan), (None, None))
+        ref, key, _ = self._keys.get(id(plan), (None, None, None))
         return key if ref is not None and ref() is plan else None
+
+    def _binding(self, key: str, plan: ConvPlan, coords=None,
+                 identity: bytes | None = None) -> dict | None:
+        """The header field that binds a plan file to its key (the identity of the plan's input
+        coordinates), or None where that identity is unknown: given, remembered, or hashed from
+        the coordinates (the request's, or a submanifold plan's own), and checked against the
+        key. A plan that cannot be bound is not written: its file could not be trusted."""
+        if identity is None:
+            ref, known_key, identity = self._keys.get(id(plan), (None, None, None))
+            if ref is None or ref() is not plan or known_key != key:
+                identity = None
+        def candidates():  # cheapest first: hashing coordinates costs a launch and a sync
+            if identity is not None:
+                yield identity
+            if coords is not None:
+                yield coords_identity(coords)
+            if plan.geometry.submanifold:
+                yield coords_identity(plan.out_coords)
+
+        for candidate in candidates():
+            if key_from_identity(plan.num_in, plan.in_spatial_shape, plan.batch_size,
+                                 plan.geometry, candidate, plan.for_training) == key:
+                return {IDENTITY_FIELD: candidate.hex()}
+        return None
 
     def stats(self) -> dict:
         """Counts (memory/disk hits, misses, builds, first sightings kept off the disk, disk
@@ -169,11 +197,12 @@ class PlanCache:
             self.admission.clear()
 
     # ---- lookups -------------------------------------------------------------------------
-    def key(self, coords, spatial_shape, batch_size, geometry, training: bool = True) -> str:
+    def key(self, coords, spatial_shape, batch_size, geometry, training: bool = True,
+            identity: bytes | None = None) -> str:
         _check_layout(coords)
         start = time.perf_counter()
         key = plan_key(coords, triple(spatial_shape, "spatial_shape"), batch_size, geometry,
-                       training=training)
+                       identity, training=training)
         self._count("keys", time.perf_counter() - start)
         return key
 
@@ -211,7 +240,7 @@ class PlanCache:
         self.policy.record_load(device.type, file_bytes[0], seconds)
         self._count("disk_hits", seconds)
         self.memory.put(key, plan)
-        return self._remember(key, plan), None
+        return self._remember(key, plan, bytes.fromhex(header[IDENTITY_FIELD])), None
 
     def _memory_get(self, key, device) -> ConvPlan | None:
         plan = self.memory.get(key, device)
@@ -231,24 +260,30 @@ class PlanCache:
         return plan
 
     def put(self, coords, spatial_shape, batch_size: int, geometry: ConvGeometry, plan: ConvPlan,
-            key: str | None = None, build_seconds: float | None = None) -> str:
+            key: str | None = None, build_seconds: float | None = None,
+            identity: bytes | None = None) -> str:
         """Cache a plan built elsewhere, in memory and (unless mode is never) on disk; with
-        build_seconds, on disk only where the policy finds loading it faster than that."""
+        build_seconds, on disk only where the policy finds loading it faster than that.
+        identity: of coords, where the caller has it (a derived one: see key.derived_identity)."""
         shape = triple(spatial_shape, "spatial_shape")
-        key = key or self.key(coords, shape, batch_size, geometry)
+        key = key or self.key(coords, shape, batch_size, geometry, plan.for_training, identity)
         self.memory.put(key, plan)
-        self._remember(key, plan)
+        self._remember(key, plan, identity)
         store = (self.policy.mode != "never" if build_seconds is None else
                  self.policy.worth_storing(plan.device.type, build_seconds, plan_nbytes(plan)))
-        if store:
-            extra = {"built_on": plan.device.type, "build_seconds": build_seconds or 0.0}
+        binding = self._binding(key, plan, coords, identity) if store else None
+        if store and binding is None:
+            self._count("unbound")  # no identity hashes to this key: not written
+        elif store:
+            extra = {"built_on": plan.device.type, "build_seconds": build_seconds or 0.0,
+                     **binding}
             if self.disk.store(key, plan, extra):
                 self._count("disk_writes")
                 self.admission.record(key)  # a file to find: auto processes should look
         return key
 
     def _build(self, key, coords, shape, batch_size, geometry, backend, store: bool,
-               training: bool = True, keep: bool = True) -> ConvPlan:
+               training: bool = True, keep: bool = True, identity: bytes | None = None) -> ConvPlan:
         """Build, count, and cache: on disk (store) and in memory (store or keep)."""
         from ..planner import build_plan
 
@@ -268,50 +303,55 @@ class PlanCache:
         else:
             self._count("builds")
         if store:
-            self.put(coords, shape, batch_size, geometry, plan, key=key, build_seconds=seconds)
+            self.put(coords, shape, batch_size, geometry, plan, key=key, build_seconds=seconds,
+                     identity=identity)
         else:
             if keep:
                 self.memory.put(key, plan)
             else:  # a first sighting: the ring of recent plans, not the LRU (memory.py)
                 self.memory.put_recent(key, plan)
-            self._remember(key, plan)
+            self._remember(key, plan, identity)
         return plan
 
     def get_or_build(self, coords, spatial_shape, batch_size: int, geometry: ConvGeometry, *,
                      backend: str = "auto", check: bool = True, key: str | None = None,
-                     training: bool = True) -> ConvPlan:
+                     training: bool = True, identity: bytes | None = None) -> ConvPlan:
         """The plan of `geometry` over `coords`: from memory, from disk, or built (once across
         processes sharing the directory) and cached. In mode auto a key's first sighting builds
         and keeps the plan in memory only; the disk is for keys that come back.
         key: the plan's key if the caller derived it (the coordinates are then not hashed).
+        identity: the coordinates' identity (coords_hash, or key.derived_identity for
+        coordinates a strided layer made): the key is derived from it, and a plan file records
+        it to bind to its key; without key and identity the coordinates are hashed.
         training: False asks for an inference plan (ConvPlan.for_training; its own key)."""
         _check_layout(coords)
         shape = triple(spatial_shape, "spatial_shape")
         if check:
             check_coords(coords, shape, batch_size)
         key = (_given_key(key) if key is not None
-               else self.key(coords, shape, batch_size, geometry, training))
+               else self.key(coords, shape, batch_size, geometry, training, identity))
         plan = self._memory_get(key, coords.device)
         if plan is not None:
             return plan
         args = (key, coords, shape, batch_size, geometry)
         kind = dict(training=training)
+        built = dict(kind, identity=identity)
         work = coords.shape[0] * geometry.volume
         if self.policy.mode == "never" or self.policy.build_beats_any_load(coords.device.type, work):
-            return self._build(*args, backend, store=False, **kind)
+            return self._build(*args, backend, store=False, **built)
         if self.policy.mode == "auto" and not self.admission.seen_before(key):
             # Likely never back: no file read, no lock, no write, no LRU entry.
             self._count("first_sightings")
-            return self._build(*args, backend, store=False, keep=False, **kind)
+            return self._build(*args, backend, store=False, keep=False, **built)
         plan, why = self._load(*args, locked=False, **kind)
         if plan is not None:
             return plan
         if why == "skipped":  # on disk already, but rebuilding is faster here
-            return self._build(*args, backend, store=False, **kind)
+            return self._build(*args, backend, store=False, **built)
         with self.disk.build_lock(key):
             plan, why = self._load(*args, locked=True, **kind)  # the previous holder may have stored it
             return plan if plan is not None else self._build(*args, backend,
-                                                             store=why != "skipped", **kind)
+                                                             store=why != "skipped", **built)
 
     # ---- shipping plans with a model -----------------------------------------------------
     def save_plans(self, directory: str | os.PathLike,
@@ -325,9 +365,13 @@ class PlanCache:
             if key is None:
                 raise ValueError("save_plans: a plan was not made by this plan cache (or was "
                                  "freed); pass a {key: plan} mapping, keys from plan_cache.key()")
+            binding = self._binding(key, plan)
+            if binding is None:
+                raise ValueError(f"save_plans: plan {key} cannot be bound to its coordinates "
+                                 "(a strided plan this cache did not hand out under this key)")
             tmp = directory / f".tmp-{key}{SUFFIX}"
             with open(tmp, "wb") as out:
-                write_plan(out, plan, key)
+                write_plan(out, plan, key, binding)
             os.replace(tmp, directory / f"{key}{SUFFIX}")
             keys.append(key)
         return keys
@@ -341,13 +385,14 @@ class PlanCache:
             if path.name.startswith(".tmp-"):
                 continue
             try:
-                plan, header = read_plan(path, device, expect_key=path.name.removesuffix(SUFFIX))
+                plan, header = read_bound_plan(path, device, path.name.removesuffix(SUFFIX))
                 _check_key_names_plan(header["key"], plan)
             except (PlanFileError, OSError) as exc:
                 warnings.warn(f"flexplan.load_plans: skipping {path} ({exc})", RuntimeWarning,
                               stacklevel=2)
                 continue
             self.memory.put(header["key"], plan, pinned=True)
-            loaded[header["key"]] = self._remember(header["key"], plan)
+            loaded[header["key"]] = self._remember(header["key"], plan,
+                                                   bytes.fromhex(header[IDENTITY_FIELD]))
         return loaded
 

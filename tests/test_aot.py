@@ -215,7 +215,7 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
     from flexplan import ConvGeometry, SparseTensor, build_plan, launcher
     from flexplan.aot.specialize import _example
     from flexplan.aot.variants import KERNELS, enumerate_variants
-    from flexplan.cache.key import coords_digest
+    from flexplan.coords_hash import coords_digest
     from flexplan.nn.submconv import SubMConv3d
     from flexplan.workloads import random_coords
 
@@ -240,9 +240,10 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
         return real_launch(kernel, grid, *args, **constexprs)
 
     for name in ("flexplan.ops.sparse_conv", "flexplan.planner.hashmap",
-                 "flexplan.planner.segments_triton", "flexplan.planner.generative_triton"):
+                 "flexplan.planner.segments_triton", "flexplan.planner.generative_triton",
+                 "flexplan.coords_hash"):
         monkeypatch.setattr(importlib.import_module(name), "launch", recording_launch)
-    monkeypatch.setattr(launcher, "launch", recording_launch)  # the coordinate hash imports it late
+    monkeypatch.setattr(launcher, "launch", recording_launch)  # the plan views import it late
     gen = torch.Generator().manual_seed(0)
     coords = random_coords(40, (8, 8, 8), batch_size=1, generator=gen)
     coords_digest(coords, use_triton=True)

@@ -1,5 +1,5 @@
-"""A bundle's manifest is untrusted input: malformed entries are skipped (the rest of the bundle
-still serves), a malformed entry list refuses the bundle, and neither breaks the runtime's index
+"""A bundle's manifest is untrusted input: a malformed entry, or entry list, refuses the whole
+bundle (the JIT compiles what no other bundle covers), and neither breaks the runtime's index
 or the doctor."""
 from __future__ import annotations
 
@@ -24,10 +24,11 @@ def _bundle(root: Path, entries) -> Path:
     return root
 
 
-def test_malformed_entries_are_skipped(tmp_path):
+def test_a_manifest_with_malformed_entries_is_refused_whole(tmp_path):
     root = _bundle(tmp_path / "b", [{"kernel": "x"}, GOOD, "entry", {**GOOD, "key": 3}, None])
     bundle = read_bundle(root)
-    assert bundle.problem is None and bundle.malformed == 4 and bundle.entries == [GOOD]
+    assert "4 of 5 entries fail the schema" in bundle.problem and bundle.entries == []
+    assert read_bundle(_bundle(tmp_path / "ok", [GOOD])).entries == [GOOD]
     refused = read_bundle(_bundle(tmp_path / "c", "entries"))
     assert "'entries' is not a list" in refused.problem and refused.entries == []
 
@@ -35,13 +36,14 @@ def test_malformed_entries_are_skipped(tmp_path):
 def test_runtime_index_and_doctor_survive_malformed_manifests(tmp_path, monkeypatch):
     a = _bundle(tmp_path / "a", [{"kernel": "x"}, GOOD])
     b = _bundle(tmp_path / "b", "entries")
-    monkeypatch.setenv("FLEXPLAN_AOT_PATH", f"{a}:{b}")
+    good = _bundle(tmp_path / "good", [GOOD])
+    monkeypatch.setenv("FLEXPLAN_AOT_PATH", f"{a}:{b}:{good}")
     runtime.reset()
     try:
         index = runtime.load_index()
-        assert list(index) == [GOOD["key"]]
+        assert list(index) == [GOOD["key"]] and index[GOOD["key"]][0].root == good
         notes = runtime.refused_bundles()
-        assert any("1 malformed manifest entries skipped" in n for n in notes)
+        assert any("1 of 2 entries fail the schema" in n for n in notes)
         assert any("'entries' is not a list" in n for n in notes)
     finally:
         monkeypatch.delenv("FLEXPLAN_AOT_PATH")

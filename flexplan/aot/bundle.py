@@ -30,7 +30,6 @@ class Bundle:
     triton_version: str | None
     entries: list[dict]
     problem: str | None = None  # why the bundle is refused; None when usable
-    malformed: int = 0  # manifest entries dropped as malformed (the rest stay usable)
 
     def entry_files_ok(self, entry: dict) -> str | None:
         """None when the entry's binary and metadata match their sha256, else what is wrong."""
@@ -69,8 +68,11 @@ def read_bundle(root: Path) -> Bundle:
             f"are not used (rebuild it with `python -m aot` under this Triton)"))
     if not isinstance(entries, list):
         return Bundle(root, version, [], f"{path}: malformed manifest ('entries' is not a list)")
-    usable = [e for e in entries if _entry_well_formed(e)]
-    return Bundle(root, version, usable, malformed=len(entries) - len(usable))
+    malformed = sum(not _entry_well_formed(e) for e in entries)
+    if malformed:  # a manifest that fails its schema is not trusted in part: refused whole
+        return Bundle(root, version, [], f"{path}: malformed manifest ({malformed} of "
+                                         f"{len(entries)} entries fail the schema)")
+    return Bundle(root, version, list(entries))
 
 
 # The manifest fields every reader of an entry relies on (the runtime's index, the direct

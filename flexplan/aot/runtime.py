@@ -80,10 +80,6 @@ def load_index() -> dict[str, tuple[Bundle, dict]]:
                     _refused.append(bundle.problem)
                     log.warning("flexplan.aot: %s", bundle.problem)
                     continue
-                if bundle.malformed:
-                    note = f"{root}: {bundle.malformed} malformed manifest entries skipped"
-                    _refused.append(note)
-                    log.warning("flexplan.aot: %s", note)
                 for entry in bundle.entries:
                     index.setdefault(entry["key"], (bundle, entry))
                     _sources.setdefault(entry["kernel"], set()).add(entry["source_hash"])

@@ -6,6 +6,7 @@ create the directory when they write (a read-only or missing root must not break
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -13,8 +14,13 @@ CACHE_DIR_ENV = "FLEXPLAN_CACHE_DIR"
 
 
 def cache_root() -> Path:
-    """Root of every flexplan cache; read at each call so tests and jobs can redirect it."""
-    override = os.environ.get(CACHE_DIR_ENV)
+    """Root of every flexplan cache; the variable is read at each call so tests and jobs can
+    redirect it (the Path made of each value is kept: plan lookups ask on every build)."""
+    return _root_of(os.environ.get(CACHE_DIR_ENV) or None)
+
+
+@functools.lru_cache(maxsize=16)
+def _root_of(override: str | None) -> Path:
     if override:
         return Path(override).expanduser()
     import platformdirs  # deferred: only needed when no override is set
@@ -24,7 +30,12 @@ def cache_root() -> Path:
 
 def plan_cache_dir() -> Path:
     """Serialized execution plans (flexplan.cache)."""
-    return cache_root() / "plans"
+    return _plans_of(cache_root())
+
+
+@functools.lru_cache(maxsize=16)
+def _plans_of(root: Path) -> Path:
+    return root / "plans"
 
 
 def aot_cache_dir() -> Path:

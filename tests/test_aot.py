@@ -201,8 +201,8 @@ def test_manifest_of_another_triton_is_refused(probe):
 # ---------------------------------------------------------------- registry vs the real ops
 
 def test_registry_reproduces_the_ops_launches(monkeypatch):
-    """Record every launch of plan builds (submanifold, strided, the coordinate hash) and of a
-    small SubMConv3d forward + backward, and check the registry lists each one's exact
+    """Record every launch of plan builds (submanifold, strided, the coordinate hash), of the
+    plan-file load check, and of a small SubMConv3d forward + backward, and check the registry lists each one's exact
     specialization (Triton's binder for sm_90 on both sides: argument types, the classes of the
     ints and pointers it specializes, constexprs, launch options). Sizes are not specialized,
     so this tiny problem's launches are the registry's."""
@@ -215,6 +215,7 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
     from flexplan import ConvGeometry, SparseTensor, build_plan, launcher
     from flexplan.aot.specialize import _example
     from flexplan.aot.variants import KERNELS, enumerate_variants
+    from flexplan.cache.format import plan_problem
     from flexplan.coords_hash import coords_digest
     from flexplan.nn.submconv import SubMConv3d
     from flexplan.workloads import random_coords
@@ -251,6 +252,7 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
                      ConvGeometry.make(2, stride=2, submanifold=False),
                      ConvGeometry.make(3, stride=2, padding=1, submanifold=False)):
         build_plan(coords, (8, 8, 8), 1, geometry, backend="triton")
+    plan_problem(build_plan(coords, (8, 8, 8), 1, ConvGeometry.submanifold_conv(3, 1)))
     for dtype in (torch.float32, torch.float16):
         x = SparseTensor(torch.randn(len(coords), 16, generator=gen).to(dtype).requires_grad_(),
                          coords, (8, 8, 8), 1)

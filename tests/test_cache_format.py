@@ -177,15 +177,24 @@ def test_policy_decisions_and_settings(monkeypatch):
     assert not Policy(mode="never").worth_storing("cpu", 100.0, 1)
 
 
-@pytest.mark.parametrize("damage", ["map_row", "sorted_idx", "pair", "seg", "shape"])
-def test_checksummed_file_with_unsound_contents_is_refused(tmp_path, damage):
+@pytest.mark.parametrize("check", ["kernel", "torch"])
+@pytest.mark.parametrize("damage", ["map_row", "map_last", "sorted_idx", "pair", "seg",
+                                    "seg_start", "seg_end", "shape"])
+def test_checksummed_file_with_unsound_contents_is_refused(tmp_path, monkeypatch, damage, check):
     """A file whose checksum is valid but whose indices point outside the plan (written by a
-    buggy or hostile writer) is refused on load instead of reaching a kernel."""
+    buggy or hostile writer) is refused on load instead of reaching a kernel: by the one-launch
+    check (kernels_src/plan_check.py, through the interpreter here) and by its torch oracle."""
+    import flexplan.cache.format as format_module
+
+    if check == "torch":
+        monkeypatch.setattr(format_module, "_check_kernel_runs_on", lambda tensors: False)
     plan = build_plan(make_coords(), SHAPE, 2, GEOMETRIES[2])
+    assert format_module.plan_problem(plan) is None
     fwd = plan.fwd
-    if damage == "map_row":
+    if damage in ("map_row", "map_last"):  # map_last: past the check's first block of entries
         nmap = fwd.neighbor_map.clone()
-        nmap[0, 0] = plan.num_in + 5
+        assert nmap.numel() > 2 * format_module.PLAN_CHECK_LAUNCH["BLOCK"]
+        nmap[0 if damage == "map_row" else -1, 0] = plan.num_in + 5
         bad = dataclasses.replace(plan, fwd=dataclasses.replace(fwd, neighbor_map=nmap))
     elif damage == "sorted_idx":
         idx = fwd.sorted_idx.clone()
@@ -199,6 +208,13 @@ def test_checksummed_file_with_unsound_contents_is_refused(tmp_path, damage):
         seg = plan.valid_signal_seg.clone()
         seg[1] = seg[2] + 1  # then seg decreases
         bad = dataclasses.replace(plan, valid_signal_seg=seg)
+    elif damage in ("seg_start", "seg_end"):
+        block = fwd.block_sizes[0]
+        seg = fwd.valid_kernel_seg[block].clone()
+        seg[0 if damage == "seg_start" else -1] += 1
+        segs = {b: (seg if b == block else fwd.valid_kernel_seg[b]) for b in fwd.block_sizes}
+        bad = dataclasses.replace(plan, fwd=dataclasses.replace(
+            fwd, valid_kernel=dict(fwd.valid_kernel), valid_kernel_seg=segs))
     else:
         bad = dataclasses.replace(plan, num_out=plan.num_out + 1)
     with pytest.raises(PlanFileError, match="out of bounds"):

@@ -55,6 +55,7 @@ SEGMENT_KERNELS = ("gray_rank", "schedule_offsets", "pairs")
 PLAN_HASH = "plan_hash"
 GENERATIVE_KERNELS = ("generative_candidates", "run_starts", "generative_scatter")
 VIEW_KERNELS = ("sorted_map_t", "chunk_order")
+PLAN_CHECK = "plan_bounds"
 IM2COL, IM2COL_CHANNEL_MAJOR = "im2col", "im2col_channel_major"
 # Kernels: short name -> "module:attribute" in KERNEL_PACKAGE.
 KERNELS = {
@@ -66,6 +67,7 @@ KERNELS = {
     PLAN_HASH: "plan_hash:plan_hash_kernel",
     **{name: f"plan_generative:{name}_kernel" for name in GENERATIVE_KERNELS},
     **{name: f"plan_views:{name}_kernel" for name in VIEW_KERNELS},
+    PLAN_CHECK: "plan_check:plan_bounds_kernel",
     IM2COL: "conv_im2col:im2col_kernel",
     IM2COL_CHANNEL_MAJOR: "conv_im2col:im2col_channel_major_kernel",
 }
@@ -316,6 +318,14 @@ def view_variants() -> Iterator[Variant]:
                        dict(CHUNK=SCHEDULE_CHUNK, **CHUNK_ORDER_LAUNCH))
 
 
+def check_variants() -> Iterator[Variant]:
+    """The plan-file load check (flexplan/cache/format.py, plan_problem): one specialization."""
+    from ..cache.format import PLAN_CHECK_LAUNCH
+
+    yield make_variant(PLAN_CHECK, dict(table=("tensor", "int64"), flags=("tensor", "int32")),
+                       PLAN_CHECK_LAUNCH)
+
+
 def im2col_variants() -> Iterator[Variant]:
     """The launches of ops.sparse_conv._im2col_chunks (the explicit algorithm's gathers), for
     every feature dtype; their tiles are fixed, so rows and channels only vary the int classes."""
@@ -342,7 +352,7 @@ def enumerate_variants(kernel_filter: str | None = None, channels: Iterable[int]
     kernel_filter keeps the kernels whose short name contains it."""
     seen: dict[Variant, None] = {}
     for variant in itertools.chain(planner_variants(), segment_variants(), generative_variants(),
-                                   view_variants(), im2col_variants()):
+                                   view_variants(), check_variants(), im2col_variants()):
         if not kernel_filter or kernel_filter in variant.kernel:
             seen.setdefault(variant, None)
     # A target's backend decides float32's dot precision (kernel_configs.dot_precision).

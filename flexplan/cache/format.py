@@ -202,7 +202,8 @@ def read_plan(path: str | os.PathLike, device: torch.device, expect_key: str | N
 def plan_problem(plan: ConvPlan) -> str | None:
     """None if every index of the plan lies where the kernels may read (a checksum says the
     file is what was written, not that what was written is sound), else the first defect.
-    Sizes are checked on the host; the values in one pass of reductions and one host sync."""
+    Sizes are checked on the host; the values in one launch (kernels_src/plan_check.py) or,
+    where kernels cannot run, one reduction per tensor, then one host sync."""
     n_in, n_out, v = plan.num_in, plan.num_out, plan.kernel_volume
     bounds = []  # (name, tensor, low, high): low <= every value < high
 
@@ -232,15 +233,55 @@ def plan_problem(plan: ConvPlan) -> str | None:
     bounds += [("valid_signal_i", plan.valid_signal_i, 0, n_in),
                ("valid_signal_o", plan.valid_signal_o, 0, n_out)]
     segs.append(("valid_signal_seg", plan.valid_signal_seg, pairs))
+    names = [b[0] for b in bounds] + [s_[0] for s_ in segs]
+    tensors = [b[1] for b in bounds] + [s_[1] for s_ in segs]
+    if _check_kernel_runs_on(tensors):
+        ok = _values_ok_kernel(bounds, segs)
+    else:
+        ok = _values_ok_torch(bounds, segs)
+    for name, good in zip(names, ok):
+        if not good:
+            return f"{name} holds indices outside its range"
+    return None
+
+
+# The load check's launch (kernels_src/plan_check.py): one program per BLOCK entries of a tensor.
+PLAN_CHECK_LAUNCH = dict(BLOCK=1024, num_warps=4)
+
+
+def _check_kernel_runs_on(tensors: list) -> bool:
+    """One launch where kernels run (a GPU, or the interpreter) and every tensor is a contiguous
+    int32 array, as plans hold them; else the torch expressions."""
+    from ..plan import kernels_run_on
+
+    return (bool(tensors) and kernels_run_on(tensors[0])
+            and all(t.dtype == torch.int32 and t.is_contiguous() for t in tensors))
+
+
+def _values_ok_kernel(bounds, segs) -> list[bool]:
+    """Every check in one launch and one host sync (the table's copy to the device is small)."""
+    from ..kernels_src import plan_check
+    from ..launcher import launch
+
+    rows = [(t.data_ptr(), t.numel(), low, high, plan_check.RANGE) for _, t, low, high in bounds]
+    rows += [(seg.data_ptr(), seg.numel(), 0, total, plan_check.SEGMENTS) for _, seg, total in segs]
+    device = bounds[0][1].device if bounds else segs[0][1].device
+    table = torch.tensor(rows, dtype=torch.int64).to(device)
+    flags = torch.zeros(len(rows), dtype=torch.int32, device=device)
+    longest = max(row[1] for row in rows)
+    if longest:
+        block = PLAN_CHECK_LAUNCH["BLOCK"]
+        launch(plan_check.plan_bounds_kernel, (-(-longest // block), len(rows)), table, flags,
+               **PLAN_CHECK_LAUNCH)
+    return [flag == 0 for flag in flags.tolist()]  # the one host sync
+
+
+def _values_ok_torch(bounds, segs) -> list[bool]:
+    """The kernel's oracle: a reduction per check, one host sync."""
     flags = []
     for _, t, low, high in bounds:
         flags.append(((t >= low) & (t < high)).all() if t.numel() else t.new_ones((), dtype=torch.bool))
     for _, seg, total in segs:
         steps = (seg[1:] >= seg[:-1]).all() if seg.numel() > 1 else seg.new_ones((), dtype=torch.bool)
         flags.append(steps & (seg[0] == 0) & (seg[-1] == total))
-    names = [b[0] for b in bounds] + [s_[0] for s_ in segs]
-    ok = torch.stack(flags).tolist() if flags else []
-    for name, good in zip(names, ok):
-        if not good:
-            return f"{name} holds indices outside its range"
-    return None
+    return torch.stack(flags).tolist() if flags else []

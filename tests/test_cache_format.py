@@ -188,12 +188,14 @@ def test_checksummed_file_with_unsound_contents_is_refused(tmp_path, monkeypatch
 
     if check == "torch":
         monkeypatch.setattr(format_module, "_check_kernel_runs_on", lambda tensors: False)
+    else:  # small programs: the map spans many, and a defect may sit in any of them
+        monkeypatch.setattr(format_module, "PLAN_CHECK_LAUNCH", dict(BLOCK=32, ITERS=2, num_warps=4))
     plan = build_plan(make_coords(), SHAPE, 2, GEOMETRIES[2])
     assert format_module.plan_problem(plan) is None
     fwd = plan.fwd
     if damage in ("map_row", "map_last"):  # map_last: past the check's first block of entries
         nmap = fwd.neighbor_map.clone()
-        assert nmap.numel() > 2 * format_module.PLAN_CHECK_LAUNCH["BLOCK"]
+        assert nmap.numel() > 4 * 32 * 2
         nmap[0 if damage == "map_row" else -1, 0] = plan.num_in + 5
         bad = dataclasses.replace(plan, fwd=dataclasses.replace(fwd, neighbor_map=nmap))
     elif damage == "sorted_idx":
@@ -223,3 +225,24 @@ def test_checksummed_file_with_unsound_contents_is_refused(tmp_path, monkeypatch
     path = tmp_path / f"{'k' * 32}.fxplan"
     path.write_bytes(round_trip(bad))
     assert "out of bounds" in verify_file(path)
+
+
+@pytest.mark.gpu
+def test_load_check_kernel_on_the_gpu_finds_what_the_torch_check_finds(monkeypatch):
+    """The one-launch check on CUDA tensors against its torch oracle, sound and damaged plans."""
+    import flexplan.cache.format as format_module
+
+    plan = build_plan(make_coords().cuda(), SHAPE, 2, GEOMETRIES[2])
+    nmap = plan.fwd.neighbor_map.clone()
+    nmap[-1, -1] = plan.num_in
+    seg = plan.valid_signal_seg.clone()
+    seg[-1] -= 1
+    damaged = [dataclasses.replace(plan, fwd=dataclasses.replace(
+                   plan.fwd, valid_kernel=dict(plan.fwd.valid_kernel),
+                   valid_kernel_seg=dict(plan.fwd.valid_kernel_seg), neighbor_map=nmap)),
+               dataclasses.replace(plan, valid_signal_seg=seg)]
+    assert format_module._check_kernel_runs_on([nmap])
+    found = [format_module.plan_problem(p) for p in [plan, *damaged]]
+    monkeypatch.setattr(format_module, "_check_kernel_runs_on", lambda tensors: False)
+    assert found == [format_module.plan_problem(p) for p in [plan, *damaged]]
+    assert found[0] is None and all(found[1:])

@@ -15,6 +15,11 @@ PLAN_BLOCK_SIZES = (16, 32, 64, 128)
 # The gather kernels run the sorted rows in chunks of this many (GatherMap.chunk_order); every
 # row block size of a kernel config divides it.
 SCHEDULE_CHUNK = max(PLAN_BLOCK_SIZES)
+# Maps of fewer rows run their chunks in the Gray order itself (GatherMap.chunk_order then
+# costs no launch): the spatial chunk order pays in L2 reuse on big maps (the gather GEMMs
+# 5-22% faster at 1.3M-5.3M rows, bench_submconv), while a step over ~100k-voxel LiDAR batches
+# with new coordinates is host-bound, one launch per plan counting (scripts/results/bench_e2e.md).
+CHUNK_ORDER_MIN_ROWS = 1 << 18
 
 # Kernel families: the gather-GEMM (forward and grad-input) and grad-weight over pairs.
 GATHER_GEMM = "conv_gather_gemm"

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from .geometry import ConvGeometry
-from .kernel_configs import SCHEDULE_CHUNK
+from .kernel_configs import CHUNK_ORDER_MIN_ROWS, SCHEDULE_CHUNK
 
 # Bump whenever a field's meaning or layout changes: the plan cache keys on it.
 PLAN_FORMAT_VERSION = 3  # 2: submanifold plans keep the mirrored half of valid_signal
@@ -128,6 +128,18 @@ def chunk_order_torch(sorted_idx: torch.Tensor, chunk: int = SCHEDULE_CHUNK) -> 
     return order
 
 
+def gray_chunk_order(m: int, device: torch.device) -> torch.Tensor:
+    """int32 [ceil(m / SCHEDULE_CHUNK)]: 0, 1, 2, ... (chunks in Gray order, a partial last
+    chunk last), a view of one arange kept per device: no launch, no allocation."""
+    chunks = -(-m // SCHEDULE_CHUNK)
+    return _aranges(torch.device(device), CHUNK_ORDER_MIN_ROWS // SCHEDULE_CHUNK + 1)[:chunks]
+
+
+@functools.lru_cache(maxsize=None)
+def _aranges(device: torch.device, n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int32, device=device)
+
+
 def _kernels():
     from .kernels_src import plan_views
 
@@ -219,8 +231,11 @@ class GatherMap:
         (torch.unique), so their neighbours are shared and stay in L2 (H100 gather-GEMM 5-22%
         faster at R = 512-1024, C = 32-128, than in Gray order, which runs one mask class at a
         time across the whole grid). Derived on first use (one launch: chunk_order_triton),
-        like sorted_map_t."""
+        like sorted_map_t; maps of fewer than CHUNK_ORDER_MIN_ROWS rows keep the Gray order's
+        own chunk sequence (gray_chunk_order: no launch)."""
         idx = self.sorted_idx
+        if idx.shape[0] < CHUNK_ORDER_MIN_ROWS:  # small maps: the Gray order's own chunk order
+            return gray_chunk_order(idx.shape[0], idx.device)
         if kernels_run_on(idx):
             return chunk_order_triton(idx)
         return chunk_order_torch(idx)

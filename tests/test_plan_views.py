@@ -1,7 +1,9 @@
 """GatherMap's derived views (sorted_map_t, chunk_order) from their one-launch kernels
 (kernels_src/plan_views.py) equal the torch expressions, for any row count (none, fewer than a
 chunk, around chunk boundaries, many tiles of chunks) and volume; GatherMap uses the kernels
-wherever the launcher can run them. On the CPU the kernels run through the interpreter."""
+wherever the launcher can run them (chunk_order: for maps of CHUNK_ORDER_MIN_ROWS rows or
+more; smaller ones keep the Gray order's chunks). On the CPU the kernels run through the
+interpreter."""
 from __future__ import annotations
 
 import pytest
@@ -57,6 +59,9 @@ def test_chunk_order_kernel_is_the_torch_expression(chunk, kernel_device):
 
 
 def test_gather_map_derives_its_views_in_one_launch_each(kernel_device, monkeypatch):
+    import flexplan.plan as plan
+
+    monkeypatch.setattr(plan, "CHUNK_ORDER_MIN_ROWS", 0)  # every map: the spatial chunk order
     launched = []
     real_launch = launcher.launch
 
@@ -93,9 +98,22 @@ def test_row_counts_make_no_new_launch_class(kernel_device, monkeypatch):
     assert len(keys) == 2, keys
 
 
+def test_small_maps_run_their_chunks_in_gray_order_without_a_launch(kernel_device, monkeypatch):
+    import flexplan.plan as plan
+
+    monkeypatch.setattr(plan, "CHUNK_ORDER_MIN_ROWS", 5000)
+    monkeypatch.setattr(plan, "chunk_order_triton", None)  # would raise if called
+    for m in (0, 1, SCHEDULE_CHUNK, 4999):
+        nmap, order = _case(m, 8, seed=2, device=kernel_device)
+        got = GatherMap(nmap, order, {}, {}).chunk_order
+        assert got.dtype == torch.int32 and got.device == nmap.device
+        assert got.tolist() == list(range(-(-m // SCHEDULE_CHUNK)))
+
+
 def test_cpu_maps_without_the_interpreter_use_torch(monkeypatch):
     import flexplan.plan as plan
 
+    monkeypatch.setattr(plan, "CHUNK_ORDER_MIN_ROWS", 0)
     monkeypatch.setattr(plan, "kernels_run_on", lambda t: False)
     monkeypatch.setattr(plan, "sorted_map_t_triton", None)  # would raise if called
     monkeypatch.setattr(plan, "chunk_order_triton", None)

@@ -17,8 +17,8 @@ PLAN_BLOCK_SIZES = (16, 32, 64, 128)
 SCHEDULE_CHUNK = max(PLAN_BLOCK_SIZES)
 # Maps of fewer rows run their chunks in the Gray order itself (GatherMap.chunk_order then
 # costs no launch): the spatial chunk order pays in L2 reuse on big maps (the gather GEMMs
-# 5-22% faster at 1.3M-5.3M rows, bench_submconv), while a step over ~100k-voxel LiDAR batches
-# with new coordinates is host-bound, one launch per plan counting (scripts/results/bench_e2e.md).
+# 5-22% faster at 1.3M-5.3M rows, bench_submconv), not at LiDAR sizes (17k-114k rows: equal or
+# slower, scripts/results/chunk_order.md), where a step with new coordinates is host-bound.
 CHUNK_ORDER_MIN_ROWS = 1 << 18
 
 # Kernel families: the gather-GEMM (forward and grad-input) and grad-weight over pairs.

@@ -26,6 +26,7 @@ os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-sy
 import flexplan.nn.spconv as sp  # noqa: E402
 import flexplan.sparse_tensor as sparse_tensor  # noqa: E402
 from e2e_networks import LidarUNet, VoxelResBackBone8x  # noqa: E402
+from profile_host import step_fn  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
 
 DETAIL = SYNC_BEFORE = False
@@ -68,16 +69,7 @@ def main():
             batches = [lidar_batch(i, 2, 0, device, scans=scans)
                        for i in range(5 + args.steps + args.timed)]
             batches = [b._replace(features=b.features.half()) for b in batches]
-
-            def step(batch):
-                x = sp.SparseConvTensor(batch.features, batch.indices, list(batch.spatial_shape), 2)
-                if phase == "train":
-                    opt.zero_grad(set_to_none=True)
-                    net.loss(net(x), batch.labels).backward()
-                    opt.step()
-                else:
-                    with torch.no_grad():
-                        net.eval()(x)
+            step = step_fn(net, opt, phase)
 
             for b in batches[:5]:
                 step(b)
@@ -86,7 +78,6 @@ def main():
             torch.cuda.synchronize()
             sites = collections.Counter()
             original = warnings.showwarning
-            warnings.showwarning = lambda *a, **k: sites.update([sync_site()])
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 with warnings.catch_warnings():

@@ -26,6 +26,21 @@ from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
 NETS = {"encoder": VoxelResBackBone8x, "unet": LidarUNet}
 
 
+def step_fn(net, opt, phase: str):
+    """One step of the network on a LiDAR batch (fp16 features): train (zero_grad, forward,
+    loss, backward, SGD) or infer (eval, no_grad); no synchronization."""
+    def step(batch):
+        x = sp.SparseConvTensor(batch.features, batch.indices, list(batch.spatial_shape), 2)
+        if phase == "train":
+            opt.zero_grad(set_to_none=True)
+            net.loss(net(x), batch.labels).backward()
+            opt.step()
+        else:
+            with torch.no_grad():
+                net.eval()(x)
+    return step
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--network", default="encoder", choices=sorted(NETS))
@@ -44,15 +59,10 @@ def main():
     batches = [lidar_batch(i, 2, 0, device, scans=scans) for i in range(10 + args.steps)]
     batches = [b._replace(features=b.features.half()) for b in batches]
 
+    run = step_fn(net, opt, args.phase)
+
     def step(batch):
-        x = sp.SparseConvTensor(batch.features, batch.indices, list(batch.spatial_shape), 2)
-        if args.phase == "train":
-            opt.zero_grad(set_to_none=True)
-            net.loss(net(x), batch.labels).backward()
-            opt.step()
-        else:
-            with torch.no_grad():
-                net.eval()(x)
+        run(batch)
         torch.cuda.synchronize()
 
     for b in batches[:10]:

@@ -1,5 +1,6 @@
 """Plan cache layers: memory and disk hits, damaged files, unwritable or full disks, eviction,
 the cost policy, shipping plans with a model, and the CLI."""
+import dataclasses
 import errno
 import os
 import time
@@ -156,6 +157,36 @@ def test_strided_plan_of_other_coordinates_with_the_same_rows_is_refused(tmp_pat
                     algo="explicit"))
     assert disk_module.verify_file(cache.disk.path(key)) is None  # rewritten, bound
     assert_same_plan(cache_at(tmp_path).get_or_build(a, SHAPE, 2, STRIDED), plan)
+
+
+def test_strided_plans_ship_through_save_and_load_plans(tmp_path):
+    """A strided plan the cache built from the coordinates alone (no identity given) is bound
+    by the identity the cache hashed, saved, loaded elsewhere and served from memory."""
+    coords = make_coords(seed=13)
+    builder = cache_at(tmp_path / "cache")
+    plan = builder.get_or_build(coords, SHAPE, 2, STRIDED)
+    keys = builder.save_plans(tmp_path / "shipped", [plan])
+    server = cache_at(tmp_path / "server", mode="never")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(server.load_plans(tmp_path / "shipped", device="cpu")) == keys
+    assert_same_plan(server.get_or_build(coords, SHAPE, 2, STRIDED), plan)
+    assert server.stats().get("builds", 0) == 0
+
+
+def test_a_header_with_scalars_of_the_wrong_type_is_refused(tmp_path):
+    """A sound payload whose header's batch size is not a number: refused like any corrupt
+    file (one warning, rebuilt), never an exception into the caller."""
+    coords = make_coords(seed=14)
+    cache = cache_at(tmp_path)
+    key = cache.key(coords, SHAPE, 2, STRIDED)
+    forged = dataclasses.replace(build_plan(coords, SHAPE, 2, STRIDED), batch_size="two")
+    with open(cache.disk.path(key), "wb") as out:
+        write_plan(out, forged, key, _identity_field(coords))
+    with pytest.warns(RuntimeWarning, match="unusable") as caught:
+        plan = cache.get_or_build(coords, SHAPE, 2, STRIDED)
+    assert len(caught) == 1 and cache.stats()["builds"] == 1
+    assert_same_plan(plan, build_plan(coords, SHAPE, 2, STRIDED))
 
 
 def test_save_plans_refuses_a_plan_it_cannot_bind(tmp_path):

@@ -179,7 +179,7 @@ def test_policy_decisions_and_settings(monkeypatch):
 
 @pytest.mark.parametrize("check", ["kernel", "torch"])
 @pytest.mark.parametrize("damage", ["map_row", "map_last", "sorted_idx", "pair", "seg",
-                                    "seg_start", "seg_end", "shape"])
+                                    "seg_start", "seg_end", "seg_empty", "shape"])
 def test_checksummed_file_with_unsound_contents_is_refused(tmp_path, monkeypatch, damage, check):
     """A file whose checksum is valid but whose indices point outside the plan (written by a
     buggy or hostile writer) is refused on load instead of reaching a kernel: by the one-launch
@@ -210,6 +210,10 @@ def test_checksummed_file_with_unsound_contents_is_refused(tmp_path, monkeypatch
         seg = plan.valid_signal_seg.clone()
         seg[1] = seg[2] + 1  # then seg decreases
         bad = dataclasses.replace(plan, valid_signal_seg=seg)
+    elif damage == "seg_empty":  # no offsets at all: would make num_pairs negative
+        empty = plan.valid_signal_seg[:0]
+        bad = dataclasses.replace(plan, valid_signal_i=empty, valid_signal_o=empty,
+                                  valid_signal_seg=empty)
     elif damage in ("seg_start", "seg_end"):
         block = fwd.block_sizes[0]
         seg = fwd.valid_kernel_seg[block].clone()

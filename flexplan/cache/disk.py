@@ -248,7 +248,10 @@ def read_bound_plan(path, device, key: str, accept=None):
     coordinates' identity hashes to the key (key.identity_binding_problem); PlanFileError else."""
     plan, header = read_plan(path, device, expect_key=key, accept=accept)
     if plan is not None:
-        problem = identity_binding_problem(key, header, plan)
+        try:
+            problem = identity_binding_problem(key, header, plan)
+        except (TypeError, ValueError) as exc:  # scalars of the wrong type in the header
+            raise PlanFileError(f"header does not describe a valid plan: {exc!r}") from None
         if problem is not None:
             raise PlanFileError(problem)
     return plan, header

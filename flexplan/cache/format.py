@@ -21,11 +21,12 @@ from typing import BinaryIO, Callable
 
 import torch
 
+from ..device_guard import on_device_of
 from ..geometry import ConvGeometry
-from ..plan import PLAN_FORMAT_VERSION, ConvPlan, GatherMap
+from ..plan import PLAN_FORMAT_VERSION, ConvPlan, GatherMap, mirrored_signal_offsets
 
 MAGIC = b"FXPLAN\x00\x01"
-FILE_FORMAT_VERSION = 1
+FILE_FORMAT_VERSION = 2  # 2: the header records the input coordinates' identity (key.py)
 SUFFIX = ".fxplan"
 _PREFIX = struct.Struct("<8sIIII")
 _ALIGN = 64
@@ -190,7 +191,7 @@ def read_plan(path: str | os.PathLike, device: torch.device, expect_key: str | N
             tensors[e["name"]] = t.to(dtype) if stored != dtype else t
         plan = plan_from_parts(header["meta"], tensors)
         problem = plan_problem(plan)
-    except (KeyError, TypeError, RuntimeError, ValueError) as exc:
+    except (KeyError, TypeError, RuntimeError, ValueError, IndexError) as exc:
         if isinstance(exc, PlanFileError):
             raise
         raise PlanFileError(f"header does not describe a valid plan: {exc!r}") from None
@@ -228,7 +229,10 @@ def plan_problem(plan: ConvPlan) -> str | None:
     if tuple(plan.out_coords.shape) != (n_out, 4):
         return f"out_coords has shape {tuple(plan.out_coords.shape)}, expected ({n_out}, 4)"
     pairs = plan.valid_signal_i.numel()
-    if plan.valid_signal_o.numel() != pairs or plan.signal_offsets > v:
+    if plan.valid_signal_seg.numel() < 1 or plan.signal_offsets not in (
+            0, mirrored_signal_offsets(v), v):
+        return f"valid_signal_seg has {plan.valid_signal_seg.numel()} entries"
+    if plan.valid_signal_o.numel() != pairs:
         return "valid_signal pairs and offsets disagree"
     bounds += [("valid_signal_i", plan.valid_signal_i, 0, n_in),
                ("valid_signal_o", plan.valid_signal_o, 0, n_out)]
@@ -270,11 +274,12 @@ def _values_ok_kernel(bounds, segs) -> list[bool]:
     table = torch.tensor(rows, dtype=torch.int64).to(device)
     flags = torch.zeros(len(rows), dtype=torch.int32, device=device)
     longest = max(row[1] for row in rows)
-    if longest:
-        per_program = PLAN_CHECK_LAUNCH["BLOCK"] * PLAN_CHECK_LAUNCH["ITERS"]
-        launch(plan_check.plan_bounds_kernel, (-(-longest // per_program), len(rows)), table,
-               flags, **PLAN_CHECK_LAUNCH)
-    return [flag == 0 for flag in flags.tolist()]  # the one host sync
+    with on_device_of(flags):  # the plan's GPU, whatever device is current
+        if longest:
+            per_program = PLAN_CHECK_LAUNCH["BLOCK"] * PLAN_CHECK_LAUNCH["ITERS"]
+            launch(plan_check.plan_bounds_kernel, (-(-longest // per_program), len(rows)),
+                   table, flags, **PLAN_CHECK_LAUNCH)
+        return [flag == 0 for flag in flags.tolist()]  # the one host sync
 
 
 def _values_ok_torch(bounds, segs) -> list[bool]:

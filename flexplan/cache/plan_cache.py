@@ -147,6 +147,11 @@ class PlanCache:
         ref, key, _ = self._keys.get(id(plan), (None, None, None))
         return key if ref is not None and ref() is plan else None
 
+    def _identity_of(self, key: str, plan: ConvPlan) -> bytes | None:
+        """The identity remembered with a plan this cache handed out under `key`, if any."""
+        ref, known_key, identity = self._keys.get(id(plan), (None, None, None))
+        return identity if ref is not None and ref() is plan and known_key == key else None
+
     def _binding(self, key: str, plan: ConvPlan, coords=None,
                  identity: bytes | None = None) -> dict | None:
         """The header field that binds a plan file to its key (the identity of the plan's input
@@ -154,9 +159,7 @@ class PlanCache:
         the coordinates (the request's, or a submanifold plan's own), and checked against the
         key. A plan that cannot be bound is not written: its file could not be trusted."""
         if identity is None:
-            ref, known_key, identity = self._keys.get(id(plan), (None, None, None))
-            if ref is None or ref() is not plan or known_key != key:
-                identity = None
+            identity = self._identity_of(key, plan)
         def candidates():  # cheapest first: hashing coordinates costs a launch and a sync
             if identity is not None:
                 yield identity
@@ -268,10 +271,14 @@ class PlanCache:
         shape = triple(spatial_shape, "spatial_shape")
         key = key or self.key(coords, shape, batch_size, geometry, plan.for_training, identity)
         self.memory.put(key, plan)
-        self._remember(key, plan, identity)
         store = (self.policy.mode != "never" if build_seconds is None else
                  self.policy.worth_storing(plan.device.type, build_seconds, plan_nbytes(plan)))
         binding = self._binding(key, plan, coords, identity) if store else None
+        if binding is not None:
+            identity = bytes.fromhex(binding[IDENTITY_FIELD])
+        elif identity is None:  # keep what an earlier caller told us
+            identity = self._identity_of(key, plan)
+        self._remember(key, plan, identity)
         if store and binding is None:
             self._count("unbound")  # no identity hashes to this key: not written
         elif store:
@@ -328,8 +335,11 @@ class PlanCache:
         shape = triple(spatial_shape, "spatial_shape")
         if check:
             check_coords(coords, shape, batch_size)
-        key = (_given_key(key) if key is not None
-               else self.key(coords, shape, batch_size, geometry, training, identity))
+        if key is None:  # the key from the identity (hashed here if not given), both kept
+            identity = identity if identity is not None else coords_identity(coords)
+            key = self.key(coords, shape, batch_size, geometry, training, identity)
+        else:
+            key = _given_key(key)
         plan = self._memory_get(key, coords.device)
         if plan is not None:
             return plan

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import torch
 
+from ..device_guard import on_device_of
 from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..plan import MISSING, ConvPlan, signal_fields
@@ -103,7 +104,8 @@ def bwd_from_fwd(plan: ConvPlan) -> ConvPlan:
     bwd = torch.full((plan.num_in + 1, v), MISSING, dtype=torch.int32, device=fwd.device)
     bwd[rows, torch.arange(v, device=fwd.device)] = torch.arange(
         n_out, dtype=torch.int32, device=fwd.device)[:, None].expand(n_out, v)
-    return replace(plan, bwd=gather_map(bwd[:plan.num_in], PLAN_BLOCK_SIZES))
+    with on_device_of(bwd):  # (its schedule launches kernels: on the plan's GPU)
+        return replace(plan, bwd=gather_map(bwd[:plan.num_in], PLAN_BLOCK_SIZES))
 
 
 def inverse_plan(paired: ConvPlan, paired_in_coords: torch.Tensor) -> ConvPlan:

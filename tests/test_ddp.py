@@ -107,3 +107,38 @@ def test_inputs_on_two_gpus_get_a_clear_error():
     with pytest.raises(ValueError, match="cuda:1"):
         sparse_conv(torch.randn(coords.shape[0], 4, device="cuda:1"), plan,
                     torch.randn(4, 3, 3, 3, 4, device="cuda:1"))
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_plans_load_and_invert_on_their_gpu_whatever_device_is_current(tmp_path):
+    """A plan stored from cuda:1 and loaded back (its file check launches) while cuda:0 is
+    current, and an inverse conv of an inference plan (its bwd map is scheduled then), equal
+    the same on cuda:0."""
+    import flexplan.nn.spconv as spconv
+    from flexplan.cache import PlanCache
+    from flexplan.cache.policy import Policy
+
+    coords = random_coords(3000, (40, 40, 40), 2, generator=torch.Generator().manual_seed(4))
+    geometry = ConvGeometry.make(3, stride=2, padding=1, submanifold=False)
+    outs = {}
+    for index in (0, 1):
+        device = torch.device("cuda", index)
+        cache = PlanCache(tmp_path / f"cache{index}", Policy(mode="always"))
+        with torch.cuda.device(0):
+            built = cache.get_or_build(coords.to(device), (40, 40, 40), 2, geometry)
+            cache.memory.clear()
+            loaded = cache.get_or_build(coords.to(device), (40, 40, 40), 2, geometry)
+            assert cache.stats()["disk_hits"] == 1 and loaded.device == device
+            assert all(torch.equal(a, b) for a, b in zip(built.tensors().values(),
+                                                         loaded.tensors().values()))
+            torch.manual_seed(0)
+            net = spconv.SparseSequential(
+                spconv.SparseConv3d(4, 8, 3, 2, 1, indice_key="down"),
+                spconv.SparseInverseConv3d(8, 4, 3, indice_key="down")).to(device).eval()
+            feats = torch.randn(coords.shape[0], 4, generator=torch.Generator().manual_seed(5))
+            with torch.no_grad():
+                y = net(spconv.SparseConvTensor(feats.to(device), coords.to(device),
+                                                (40, 40, 40), 2))
+            outs[index] = y.features.cpu()
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)

@@ -67,6 +67,31 @@ def test_subm_conv3d_vs_dense():
     torch.testing.assert_close(out.features, read_back(dense, x.indices) + layer.bias, **TOL)
 
 
+def test_1x1x1_subm_conv_is_planless_and_may_share_a_key():
+    """A kernel-size-1 SubMConv3d is each voxel's linear map (no plan built), and may share its
+    indice_key with a 3x3x3 one, as in spconv; forward and gradients vs float64 dense."""
+    x = sparse_input((6, 5, 7), seed=6)
+    wide = spconv.SubMConv3d(3, 4, 3, indice_key="k", **F64)
+    point = spconv.SubMConv3d(4, 2, 1, indice_key="k", **F64)
+    mid = wide(x)
+    out = point(mid)
+    assert list(out._plans) == [ConvGeometry.submanifold_conv(3)]  # (the 1x1x1 asked for none)
+    assert torch.equal(out.indices, x.indices) and out.indice_dict["k"].plan.kernel_volume == 27
+    ref_in = mid.features.detach().clone().requires_grad_(True)
+    ref_w = point.weight.detach().clone().requires_grad_(True)
+    ref_b = point.bias.detach().clone().requires_grad_(True)
+    dense = F.conv3d(to_dense(ref_in, x.indices, x.spatial_shape, 2), ref_w.permute(0, 4, 1, 2, 3))
+    ref = read_back(dense, x.indices) + ref_b
+    torch.testing.assert_close(out.features, ref, **TOL)
+    grad = torch.randn_like(ref)
+    out.features.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(point.weight.grad, ref_w.grad, **TOL)
+    torch.testing.assert_close(point.bias.grad, ref_b.grad, **TOL)
+    with pytest.raises(ValueError, match="input channels"):
+        spconv.SubMConv3d(5, 2, 1, **F64)(mid)
+
+
 @pytest.mark.parametrize("case", [(3, 2, 1, 1, (7, 6, 5)), (2, 2, 0, 1, (7, 6, 5)),
                                   ((3, 3, 2), (2, 1, 2), (1, 1, 0), 1, (6, 5, 8))],
                          ids=["k3s2p1", "k2s2", "mixed"])

@@ -198,6 +198,8 @@ class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
     def forward(self, x: SparseConvTensor) -> SparseConvTensor:
         _check_input(self, x)
         out = super().forward(x)
+        if self.geometry.volume == 1:  # no neighbours, no plan: the key names nothing (spconv's
+            return out                  # 1x1 path ignores it too, and may share a 3x3x3 conv's)
         out.indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
             x.indices, x.indices, x.spatial_shape, x.spatial_shape, is_subm=True,
             plan=x.get_plan(self.geometry, training=torch.is_grad_enabled()), in_plans=x._plans))

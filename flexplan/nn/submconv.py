@@ -42,6 +42,14 @@ class SubMConv3d(torch.nn.Module):
     def forward(self, x: SparseTensor) -> SparseTensor:
         if not isinstance(x, SparseTensor):
             raise TypeError(f"SubMConv3d expects a SparseTensor, got {type(x).__name__}")
+        if self.geometry.volume == 1:
+            # One tap, the centre: a linear map of each voxel's features, with no plan (what
+            # spconv's 1x1 path does); torch's linear follows autocast like the op does.
+            if x.num_channels != self.in_channels:
+                raise ValueError(f"SubMConv3d expects {self.in_channels} input channels, got "
+                                 f"features of shape {tuple(x.feats.shape)}")
+            weight = self.weight.reshape(self.out_channels, self.in_channels)
+            return x.replace_feats(torch.nn.functional.linear(x.feats, weight, self.bias))
         # Under no_grad / inference_mode nothing will be differentiated: an inference plan.
         plan = x.get_plan(self.geometry, training=torch.is_grad_enabled())
         feats = sparse_conv(x.feats, plan, self.weight, self.bias, self.algo, self.allow_tf32)

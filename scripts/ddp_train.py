@@ -14,7 +14,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,6 @@ class Job:
     cache_dir: str = ""  # shared by the ranks ("" : a new temp dir)
     sync_bn: bool = True  # SyncBatchNorm on GPUs (False: each rank's own statistics)
     record_grads: bool = False  # write each parameter's gradient after one step (no timing)
-    extra: dict = field(default_factory=dict)
 
 
 def namespace(library: str):
@@ -63,15 +62,15 @@ def make_model(job: Job, device: torch.device, distributed: bool) -> nn.Module:
     return net.half() if job.dtype == "fp16" else net
 
 
-def batches_for(job: Job, rank: int, count: int, device: torch.device, first: int = 0) -> list:
-    """`count` fresh batches of rank `rank`'s stream, from step `first` on."""
+def batches_for(job: Job, rank: int, count: int, device: torch.device) -> list:
+    """The first `count` fresh batches of rank `rank`'s stream."""
     from bench_e2e import sizes_for
     from flexplan.workloads import lidar_batch, lidar_scans
 
     sizes = sizes_for(job.small)
     scans = lidar_scans(sizes.scenes, job.seed, device, **sizes.scan)
     out = []
-    for step in range(first, first + count):
+    for step in range(count):
         b = lidar_batch(step, job.scans_per_rank, job.seed + 1000 * (rank + 1), device,
                         sizes.grid, scans=scans)
         out.append(b._replace(features=b.features.half()) if job.dtype == "fp16" else b)
@@ -178,7 +177,3 @@ def combined_grads(job: Job, world_size: int, device: torch.device) -> dict:
                             list(parts[0].spatial_shape), job.scans_per_rank * world_size)
     type(net).loss(net(x), torch.cat([b.labels for b in parts])).backward()
     return {n: p.grad.detach().cpu() for n, p in net.named_parameters()}
-
-
-def job_fields(job: Job) -> dict:
-    return asdict(job)

@@ -23,7 +23,8 @@ import torch
 
 from ..device_guard import on_device_of
 from ..geometry import ConvGeometry
-from ..plan import PLAN_FORMAT_VERSION, ConvPlan, GatherMap, mirrored_signal_offsets
+from ..plan import (PLAN_FORMAT_VERSION, ConvPlan, GatherMap, kernels_run_on,
+                    mirrored_signal_offsets)
 
 MAGIC = b"FXPLAN\x00\x01"
 FILE_FORMAT_VERSION = 2  # 2: the header records the input coordinates' identity (key.py)
@@ -257,8 +258,6 @@ PLAN_CHECK_LAUNCH = dict(BLOCK=1024, ITERS=8, num_warps=4)
 def _check_kernel_runs_on(tensors: list) -> bool:
     """One launch where kernels run (a GPU, or the interpreter) and every tensor is a contiguous
     int32 array, as plans hold them; else the torch expressions."""
-    from ..plan import kernels_run_on
-
     return (bool(tensors) and kernels_run_on(tensors[0])
             and all(t.dtype == torch.int32 and t.is_contiguous() for t in tensors))
 

@@ -2,7 +2,9 @@
 of the bench_e2e networks (fp16, a new LiDAR batch every step), after a warm-up.
 
 Usage (GPU): python3 scripts/profile_host.py [--network encoder|unet] [--phase train|infer]
-             [--steps 10] [--sort tottime]
+             [--steps 10] [--sort tottime] [--coords fresh|same] [--impl flexplan|spconv]
+             [--kernels] [--no-cprofile]
+--impl spconv profiles the same step on spconv (the side-by-side of where each spends its GPU time).
 """
 from __future__ import annotations
 
@@ -19,14 +21,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-prof-"))
 
-import flexplan.nn.spconv as sp  # noqa: E402
+import flexplan.nn.spconv as flexplan_sp  # noqa: E402
 from e2e_networks import LidarUNet, VoxelResBackBone8x  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
 
 NETS = {"encoder": VoxelResBackBone8x, "unet": LidarUNet}
 
 
-def step_fn(net, opt, phase: str):
+def step_fn(net, opt, phase: str, sp=flexplan_sp):
     """One step of the network on a LiDAR batch (fp16 features): train (zero_grad, forward,
     loss, backward, SGD) or infer (eval, no_grad); no synchronization."""
     def step(batch):
@@ -50,16 +52,29 @@ def main():
     parser.add_argument("--lines", type=int, default=45)
     parser.add_argument("--kernels", action="store_true",
                         help="also a torch.profiler table of the steps' GPU kernels")
+    parser.add_argument("--coords", default="fresh", choices=("fresh", "same"),
+                        help="same: every step on one batch (plans reused)")
+    parser.add_argument("--impl", default="flexplan", choices=("flexplan", "spconv"))
+    parser.add_argument("--no-cprofile", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
+    if args.impl == "spconv":
+        import spconv.pytorch as sp
+    else:
+        sp = flexplan_sp
     net = NETS[args.network](sp).to(device).half()
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     scans = lidar_scans(2, 0, device)
-    batches = [lidar_batch(i, 2, 0, device, scans=scans) for i in range(10 + args.steps)]
-    batches = [b._replace(features=b.features.half()) for b in batches]
 
-    run = step_fn(net, opt, args.phase)
+    def new_batches(first: int) -> list:
+        seeds = [first] * args.steps if args.coords == "same" else range(first, first + args.steps)
+        batches = [lidar_batch(i, 2, 0, device, scans=scans) for i in seeds]
+        return [b._replace(features=b.features.half()) for b in batches]
+
+    batches = new_batches(0)[:10] + new_batches(0 if args.coords == "same" else 10)
+
+    run = step_fn(net, opt, args.phase, sp)
 
     def step(batch):
         run(batch)
@@ -70,26 +85,30 @@ def main():
     start = time.perf_counter()
     for b in batches[10:]:
         step(b)
-    print(f"{args.network} {args.phase}: {(time.perf_counter() - start) / args.steps * 1e3:.1f} ms "
-          "per step without the profiler")
-    prof = cProfile.Profile()
-    batches = [lidar_batch(100 + i, 2, 0, device, scans=scans) for i in range(args.steps)]
-    batches = [b._replace(features=b.features.half()) for b in batches]
-    prof.enable()
-    for b in batches:
-        step(b)
-    prof.disable()
-    pstats.Stats(prof).sort_stats(args.sort).print_stats(args.lines)
+    print(f"{args.impl} {args.network} {args.phase} {args.coords}: "
+          f"{(time.perf_counter() - start) / args.steps * 1e3:.1f} ms per step without the profiler")
+    if not args.no_cprofile:
+        prof = cProfile.Profile()
+        batches = new_batches(0 if args.coords == "same" else 100)
+        prof.enable()
+        for b in batches:
+            step(b)
+        prof.disable()
+        pstats.Stats(prof).sort_stats(args.sort).print_stats(args.lines)
     if args.kernels:
         from torch.profiler import ProfilerActivity, profile
 
-        batches = [lidar_batch(200 + i, 2, 0, device, scans=scans) for i in range(args.steps)]
-        batches = [b._replace(features=b.features.half()) for b in batches]
+        batches = new_batches(0 if args.coords == "same" else 200)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kprof:
             for b in batches:
                 step(b)
-        print(kprof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
-                                         max_name_column_width=50))
+        events = kprof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events)
+        launches = sum(e.count for e in events if e.self_device_time_total > 0)
+        print(f"GPU kernel time per step: {gpu_us / args.steps / 1e3:.2f} ms; "
+              f"GPU ops per step: {launches / args.steps:.0f}")
+        print(events.table(sort_by="self_device_time_total", row_limit=30,
+                           max_name_column_width=60))
 
 
 if __name__ == "__main__":

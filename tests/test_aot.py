@@ -217,6 +217,7 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
     from flexplan.aot.variants import KERNELS, enumerate_variants
     from flexplan.cache.format import plan_problem
     from flexplan.coords_hash import coords_digest
+    from flexplan.planner.generative_triton import transposed_map_triton
     from flexplan.nn.submconv import SubMConv3d
     from flexplan.workloads import random_coords
 
@@ -253,6 +254,8 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
                      ConvGeometry.make(2, stride=2, submanifold=False),
                      ConvGeometry.make(3, stride=2, padding=1, submanifold=False)):
         build_plan(coords, (8, 8, 8), 1, geometry, backend="triton")
+    transposed_map_triton(build_plan(coords, (8, 8, 8), 1, geometry).fwd.neighbor_map,
+                          len(coords))  # an inverse conv's bwd map (its inference plan's)
     plan_problem(build_plan(coords, (8, 8, 8), 1, ConvGeometry.submanifold_conv(3, 1)))
     for dtype in (torch.float32, torch.float16):
         x = SparseTensor(torch.randn(len(coords), 16, generator=gen).to(dtype).requires_grad_(),

@@ -405,3 +405,22 @@ def test_first_sightings_keep_a_bounded_ring(tmp_path, monkeypatch):
     assert len(cache.memory) == 0 and len(cache.memory._recent) == 2
     assert cache.get_or_build(sets[2], SHAPE, 2, GEOM) is plans[2]  # recent: a hit
     assert cache.get_or_build(sets[0], SHAPE, 2, GEOM) is not plans[0]  # dropped: rebuilt
+
+
+def test_memory_without_disk_keeps_a_key_that_comes_back(tmp_path, monkeypatch):
+    """Mode never (and builds that beat any load): a first sighting goes to the ring, a key built
+    again after the ring dropped it goes to the LRU, and stays there."""
+    from flexplan.cache import memory as memory_module
+
+    monkeypatch.setattr(memory_module, "RECENT_PLANS", 2)
+    cache = PlanCache(tmp_path, Policy(mode="never"))
+    sets = [make_coords(seed=s) for s in range(4)]
+    plans = [cache.get_or_build(c, SHAPE, 2, GEOM) for c in sets]
+    assert len(cache.memory) == 0 and len(cache.memory._recent) == 2
+    again = cache.get_or_build(sets[0], SHAPE, 2, GEOM)  # dropped from the ring: rebuilt, kept
+    assert again is not plans[0] and len(cache.memory) == 1
+    for c in sets[1:]:
+        cache.get_or_build(c, SHAPE, 2, GEOM)
+    assert cache.get_or_build(sets[0], SHAPE, 2, GEOM) is again
+    assert cache.stats()["misses"] == 5 + 1  # sets[1] was dropped too: its second build
+    assert not any(tmp_path.glob("*.plan"))

@@ -268,9 +268,14 @@ def test_disk_eviction_keeps_the_cap_and_the_recently_used(tmp_path):
 def test_memory_layer_is_bounded_by_bytes(tmp_path):
     cache = cache_at(tmp_path, mode="never")
     sets = [make_coords(seed=s) for s in range(4)]
-    plans = [cache.get_or_build(c, SHAPE, 2, GEOM) for c in sets[:1]]
+
+    def kept(coords):  # a first sighting stays in the ring of recent plans; its repeat: the LRU
+        cache.get_or_build(coords, SHAPE, 2, GEOM)
+        return cache.get_or_build(coords, SHAPE, 2, GEOM)
+
+    plans = [kept(c) for c in sets[:1]]
     cache.configure(max_memory_bytes=int(2.5 * cache.memory.nbytes))
-    plans += [cache.get_or_build(c, SHAPE, 2, GEOM) for c in sets[1:]]
+    plans += [kept(c) for c in sets[1:]]
     assert len(cache.memory) == 2 and cache.memory.nbytes <= cache.policy.max_memory_bytes
     assert cache.get(sets[3], SHAPE, 2, GEOM) is plans[3]
     assert cache.get(sets[0], SHAPE, 2, GEOM) is None  # mode never: no disk either

@@ -133,3 +133,46 @@ def test_layers_build_inference_plans_under_no_grad(device):
     out.features.sum().backward()
     assert all(p.for_training for p in x._plans.values() if hasattr(p, "for_training"))
     torch.testing.assert_close(out.features, ref.features)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[7]], ids=[IDS[0], IDS[7]])
+def test_transposed_map_kernel_equals_torch_and_training_bwd(case, device):
+    """The inverse conv's bwd map of an inference plan, made by one launch, is the map a training
+    plan builds, and the torch version's; a map with no entries gives an all-missing map."""
+    from flexplan.planner.generative import transposed_map_torch
+    from flexplan.planner.generative_triton import transposed_map_triton
+
+    shape, geom = case[5], geometry(case)
+    coords = random_coords(int(shape[0] * shape[1] * shape[2] * 0.3), shape, 2,
+                           generator=torch.Generator().manual_seed(11)).to(device)
+    full = build_plan(coords, shape, 2, geom)
+    fwd = full.fwd.neighbor_map
+    expected = full.bwd.neighbor_map
+    assert torch.equal(transposed_map_torch(fwd, full.num_in), expected)
+    assert torch.equal(transposed_map_triton(fwd, full.num_in), expected)
+    empty = torch.full((0, geom.volume), -1, dtype=torch.int32, device=device)
+    assert torch.equal(transposed_map_triton(empty, 5), torch.full((5, geom.volume), -1,
+                                                                    dtype=torch.int32, device=device))
+
+
+def test_inverse_conv_makes_an_inference_plans_bwd_map_once(device, monkeypatch):
+    """Inference over coordinates that come back: the paired plan comes from the cache's
+    memory, with the bwd map its inverse conv made the first time (not remade per call)."""
+    import flexplan.nn.spconv as spconv
+    from flexplan.nn import sparse_conv_tensor
+
+    made = []
+    real = sparse_conv_tensor.bwd_from_fwd
+    monkeypatch.setattr(sparse_conv_tensor, "bwd_from_fwd", lambda plan: made.append(1) or real(plan))
+    coords = random_coords(150, (9, 8, 7), 2, generator=torch.Generator().manual_seed(12)).to(device)
+    net = spconv.SparseSequential(spconv.SparseConv3d(2, 3, 3, 2, 1, indice_key="r"),
+                                  spconv.SparseInverseConv3d(3, 2, 3, indice_key="r"))
+    net = net.double().to(device)
+    feats = torch.randn(coords.shape[0], 2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        outs = [net(spconv.SparseConvTensor(feats, coords.clone(), (9, 8, 7), 2)).features
+                for _ in range(3)]
+    assert len(made) == 1
+    ref = net(spconv.SparseConvTensor(feats, coords, (9, 8, 7), 2)).features  # a training plan
+    for out in outs:
+        torch.testing.assert_close(out, ref)

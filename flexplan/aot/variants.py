@@ -53,7 +53,7 @@ LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
 HASH_INSERT, HASH_SUBM_NMAP = "hash_insert", "submanifold_neighbor_map"
 SEGMENT_KERNELS = ("gray_rank", "schedule_offsets", "pairs")
 PLAN_HASH = "plan_hash"
-GENERATIVE_KERNELS = ("generative_candidates", "run_starts", "generative_scatter")
+GENERATIVE_KERNELS = ("generative_candidates", "run_starts", "generative_scatter", "transpose_map")
 VIEW_KERNELS = ("sorted_map_t", "chunk_order")
 PLAN_CHECK = "plan_bounds"
 IM2COL, IM2COL_CHANNEL_MAJOR = "im2col", "im2col_channel_major"
@@ -303,6 +303,9 @@ def generative_variants() -> Iterator[Variant]:
                 total=n * slots, n_in=n, **grid), dict(T=slots, V=geometry.volume, SENT=sent,
                                                       WRITE_BWD=not write_fwd, WRITE_FWD=write_fwd,
                                                       **gen.ENTRIES_LAUNCH))
+    for volume in sorted({g.volume for g in REP_GENERATIVE}):  # an inverse conv's bwd map
+        yield make_variant("transpose_map", dict(fwd=i32, bwd=i32, entries=n * volume),
+                           dict(V=volume, **gen.TRANSPOSE_LAUNCH))
 
 
 def view_variants() -> Iterator[Variant]:

@@ -28,6 +28,12 @@ def cached_plan(coords, spatial_shape, batch_size, geometry, **kwargs):
     return plan_cache.get_or_build(coords, spatial_shape, batch_size, geometry, **kwargs)
 
 
+def refine_plan(plan, refined):
+    """Later lookups of the plan cached_plan returned as `plan` get `refined` (the same plan
+    with more made, e.g. an inverse conv's bwd map). Returns `refined`."""
+    return plan_cache.refine(plan, refined)
+
+
 def save_plans(directory, plans):
     """Ship plans with a model: write them (a {key: plan} mapping, or plans that cached_plan
     returned) as plan files into `directory`. Returns their keys."""
@@ -40,4 +46,4 @@ def load_plans(directory, device=None):
     return plan_cache.load_plans(directory, device)
 
 
-__all__ = ["PlanCache", "cached_plan", "load_plans", "plan_cache", "save_plans"]
+__all__ = ["PlanCache", "cached_plan", "load_plans", "plan_cache", "refine_plan", "save_plans"]

@@ -6,7 +6,9 @@ with pinned=True (plans a server loaded with load_plans) are never evicted, only
 Plans of a key's first sighting go to a ring of the RECENT_PLANS latest instead (put_recent): a
 repeat soon after (the same coordinates asked for again in the same step) finds them and moves
 them to the LRU, while a stream of coordinates seen once (augmented scans, a scan per request)
-neither fills the LRU, nor holds GPU memory, nor pays its per-entry accounting.
+neither fills the LRU, nor holds GPU memory, nor pays its per-entry accounting. Where no one
+else tells a first sighting from a repeat (no disk cache to consult: admit), the memory
+remembers the keys of its last SEEN_KEYS plans: a key built again goes to the LRU.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ def held_bytes(plan: ConvPlan) -> int:
 
 
 RECENT_PLANS = 16
+SEEN_KEYS = 4096  # keys only (~100 bytes each): a job's plans per step, many times over
 
 
 class MemoryCache:
@@ -41,6 +44,7 @@ class MemoryCache:
         self.max_bytes = int(max_bytes)
         self._entries: OrderedDict[tuple[str, torch.device], tuple[ConvPlan, int, bool]] = OrderedDict()
         self._recent: OrderedDict[tuple[str, torch.device], ConvPlan] = OrderedDict()
+        self._seen: OrderedDict[tuple[str, torch.device], None] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # DataLoader threads and user threads may share the cache
 
@@ -69,6 +73,21 @@ class MemoryCache:
             if len(self._recent) > RECENT_PLANS:
                 self._recent.popitem(last=False)
 
+    def admit(self, key: str, plan: ConvPlan) -> None:
+        """Keep a plan just built: in the LRU if its key was seen before (its plan dropped from
+        the ring or evicted), else in the ring of recent ones."""
+        slot = (key, plan.device)
+        with self._lock:
+            again = slot in self._seen
+            if not again:
+                self._seen[slot] = None
+                if len(self._seen) > SEEN_KEYS:
+                    self._seen.popitem(last=False)
+        if again:
+            self.put(key, plan)
+        else:
+            self.put_recent(key, plan)
+
     def put(self, key: str, plan: ConvPlan, pinned: bool = False) -> None:
         size = held_bytes(plan)
         if size > self.max_bytes and not pinned:
@@ -80,6 +99,23 @@ class MemoryCache:
             self._entries[(key, plan.device)] = (plan, size, pinned)
             self._bytes += size
             self._evict()
+
+    def replace(self, key: str, old: ConvPlan, new: ConvPlan) -> bool:
+        """Where (key, device) holds `old`, in the LRU or the ring, hold `new` in its place
+        (the same plan with more made: see PlanCache.refine). Whether it did."""
+        slot = (key, old.device)
+        with self._lock:
+            entry = self._entries.get(slot)
+            if entry is not None and entry[0] is old:
+                size = held_bytes(new)
+                self._entries[slot] = (new, size, entry[2])
+                self._bytes += size - entry[1]
+                self._evict()
+                return True
+            if self._recent.get(slot) is old:
+                self._recent[slot] = new
+                return True
+        return False
 
     def _evict(self) -> None:
         if self._bytes <= self.max_bytes:  # the usual case: no walk over the entries
@@ -107,4 +143,5 @@ class MemoryCache:
         with self._lock:
             self._entries.clear()
             self._recent.clear()
+            self._seen.clear()
             self._bytes = 0

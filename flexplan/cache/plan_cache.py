@@ -147,6 +147,15 @@ class PlanCache:
         ref, key, _ = self._keys.get(id(plan), (None, None, None))
         return key if ref is not None and ref() is plan else None
 
+    def refine(self, plan: ConvPlan, refined: ConvPlan) -> ConvPlan:
+        """Where this cache handed out `plan`, later lookups of its key get `refined`: the same
+        plan with more made (an inference plan with the bwd map its inverse conv made), so
+        that the work is done once per plan, not once per call. Returns `refined`."""
+        ref, key, identity = self._keys.get(id(plan), (None, None, None))
+        if ref is not None and ref() is plan and self.memory.replace(key, plan, refined):
+            self._remember(key, refined, identity)
+        return refined
+
     def _identity_of(self, key: str, plan: ConvPlan) -> bytes | None:
         """The identity remembered with a plan this cache handed out under `key`, if any."""
         ref, known_key, identity = self._keys.get(id(plan), (None, None, None))
@@ -290,8 +299,10 @@ class PlanCache:
         return key
 
     def _build(self, key, coords, shape, batch_size, geometry, backend, store: bool,
-               training: bool = True, keep: bool = True, identity: bytes | None = None) -> ConvPlan:
-        """Build, count, and cache: on disk (store) and in memory (store or keep)."""
+               training: bool = True, keep: bool | None = True,
+               identity: bytes | None = None) -> ConvPlan:
+        """Build, count, and cache: on disk (store) and in memory: the LRU (store or keep), the
+        ring of first sightings (keep False), or as MemoryCache.admit decides (keep None)."""
         from ..planner import build_plan
 
         self._count("misses")
@@ -313,7 +324,9 @@ class PlanCache:
             self.put(coords, shape, batch_size, geometry, plan, key=key, build_seconds=seconds,
                      identity=identity)
         else:
-            if keep:
+            if keep is None:  # no admission decided: the memory's own record of keys
+                self.memory.admit(key, plan)
+            elif keep:
                 self.memory.put(key, plan)
             else:  # a first sighting: the ring of recent plans, not the LRU (memory.py)
                 self.memory.put_recent(key, plan)
@@ -348,7 +361,7 @@ class PlanCache:
         built = dict(kind, identity=identity)
         work = coords.shape[0] * geometry.volume
         if self.policy.mode == "never" or self.policy.build_beats_any_load(coords.device.type, work):
-            return self._build(*args, backend, store=False, **built)
+            return self._build(*args, backend, store=False, keep=None, **built)
         if self.policy.mode == "auto" and not self.admission.seen_before(key):
             # Likely never back: no file read, no lock, no write, no LRU entry.
             self._count("first_sightings")

@@ -16,7 +16,8 @@ import torch
 
 from ..geometry import triple
 from ..plan import ConvPlan
-from ..planner.generative import inverse_plan
+from ..cache import refine_plan
+from ..planner.generative import bwd_from_fwd, inverse_plan
 from ..sparse_tensor import Plans, SparseTensor, SparseTensorError
 
 
@@ -38,7 +39,12 @@ class IndiceData:
 
     @cached_property
     def inverse_plan(self) -> ConvPlan:
-        return inverse_plan(self.plan, self.indices)
+        paired = self.plan
+        if paired.bwd is None:  # an inference plan: its bwd map is made once, kept by the cache
+            paired = refine_plan(paired, bwd_from_fwd(paired))
+            if self.in_plans.get(paired.geometry) is self.plan:  # the input's memo, likewise
+                self.in_plans[paired.geometry] = paired
+        return inverse_plan(paired, self.indices)
 
 
 class SparseConvTensor(SparseTensor):

@@ -20,6 +20,7 @@ from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..plan import MISSING, ConvPlan, signal_fields
 from .keys import pack_coords, unpack_keys
 from .offsets import kernel_offsets
+from .generative_triton import transposed_map_triton
 from .segments import gather_map, plan_schedule
 
 
@@ -93,19 +94,29 @@ def generative_plan(coords: torch.Tensor, spatial_shape: tuple[int, int, int], b
         **signal_fields(*(signal or (None,) * 3), coords.device, training))
 
 
-def bwd_from_fwd(plan: ConvPlan) -> ConvPlan:
-    """The plan with its bwd map (input rows gather output rows) made from the fwd map, for an
-    inference plan of a strided / transposed conv whose inverse conv needs it. (Each entry
-    fwd[o, v] = i is the entry bwd[i, v] = o.)"""
-    fwd = plan.fwd.neighbor_map
+def transposed_map_torch(fwd: torch.Tensor, num_in: int) -> torch.Tensor:
+    """bwd [num_in, V] of a fwd map [M, V] (fwd[o, v] = i  <=>  bwd[i, v] = o), in torch ops."""
     n_out, v = fwd.shape
     # Missing entries write to a spare row past the inputs: no boolean indexing, no host sync.
-    rows = torch.where(fwd == MISSING, plan.num_in, fwd).long()
-    bwd = torch.full((plan.num_in + 1, v), MISSING, dtype=torch.int32, device=fwd.device)
+    rows = torch.where(fwd == MISSING, num_in, fwd).long()
+    bwd = torch.full((num_in + 1, v), MISSING, dtype=torch.int32, device=fwd.device)
     bwd[rows, torch.arange(v, device=fwd.device)] = torch.arange(
         n_out, dtype=torch.int32, device=fwd.device)[:, None].expand(n_out, v)
-    with on_device_of(bwd):  # (its schedule launches kernels: on the plan's GPU)
-        return replace(plan, bwd=gather_map(bwd[:plan.num_in], PLAN_BLOCK_SIZES))
+    return bwd[:num_in]
+
+
+def bwd_from_fwd(plan: ConvPlan) -> ConvPlan:
+    """The plan with its bwd map (input rows gather output rows) made from the fwd map, for an
+    inference plan of a strided / transposed conv whose inverse conv needs it: one launch and
+    the map's schedule on a GPU, no host sync (an inference plan keeps no pairs)."""
+    fwd = plan.fwd.neighbor_map
+    with on_device_of(fwd):  # (its launches: on the plan's GPU)
+        if fwd.is_cuda:
+            bwd = transposed_map_triton(fwd, plan.num_in)
+        else:
+            bwd = transposed_map_torch(fwd, plan.num_in)
+        bwd_map, _, _ = plan_schedule(bwd, PLAN_BLOCK_SIZES, signal_offsets=0, pairs_total=0)
+    return replace(plan, bwd=bwd_map)
 
 
 def inverse_plan(paired: ConvPlan, paired_in_coords: torch.Tensor) -> ConvPlan:

@@ -30,6 +30,7 @@ from .segments_triton import plan_schedule_triton, schedule_layout
 
 CANDIDATES_LAUNCH = dict(BLOCK=64, num_warps=2)
 ENTRIES_LAUNCH = dict(BLOCK=1024, num_warps=4)
+TRANSPOSE_LAUNCH = dict(MISSING=MISSING, BLOCK=1024, num_warps=4)
 # The sort's sentinel per key dtype: above every packed key (key_dtype keeps int32 keys below it).
 SENTINEL = {torch.int32: 2**31 - 1, torch.int64: 2**63 - 1}
 # The counts read in the bwd schedule's sync: output rows, candidates.
@@ -111,3 +112,13 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
         geometry=geometry, batch_size=batch_size, in_spatial_shape=tuple(spatial_shape),
         out_spatial_shape=out_shape, num_in=n, num_out=n_out, out_coords=out_coords, fwd=fwd_map,
         bwd=bwd_map, **signal_fields(*(signal or (None,) * 3), device, training))
+
+
+def transposed_map_triton(fwd: torch.Tensor, num_in: int) -> torch.Tensor:
+    """bwd [num_in, V] of a fwd map [M, V] (fwd[o, v] = i  <=>  bwd[i, v] = o): one launch."""
+    m, v = fwd.shape
+    bwd = torch.full((num_in, v), MISSING, dtype=torch.int32, device=fwd.device)
+    if m:
+        launch(kernels.transpose_map_kernel, (cdiv(m * v, TRANSPOSE_LAUNCH["BLOCK"]),),
+               fwd.contiguous(), bwd, m * v, V=v, **TRANSPOSE_LAUNCH)
+    return bwd

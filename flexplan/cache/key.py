@@ -26,9 +26,18 @@ def derived_identity(parent: bytes, spatial_shape, batch_size: int, geometry: Co
     """The identity of the output coordinates of `geometry` over the coordinates named `parent`
     (a strided or transposed conv's out_coords are a function of those four), with no device
     work: flexplan's own outputs are never hashed."""
-    scalars = {"derived_from": parent.hex(), "spatial_shape": [int(s) for s in spatial_shape],
-               "batch_size": int(batch_size), "geometry": asdict(geometry)}
-    return hashlib.blake2b(json.dumps(scalars, sort_keys=True).encode(), digest_size=16).digest()
+    h = hashlib.blake2b(_derived_scalars(tuple(int(s) for s in spatial_shape), int(batch_size),
+                                         geometry), digest_size=16)
+    h.update(parent)
+    return h.digest()
+
+
+@functools.lru_cache(maxsize=1024)
+def _derived_scalars(spatial_shape: tuple, batch_size: int, geometry: ConvGeometry) -> bytes:
+    """derived_identity's scalars as JSON: a job has few, so a dict lookup per strided layer."""
+    return json.dumps({"derived_from": True, "spatial_shape": list(spatial_shape),
+                       "batch_size": batch_size, "geometry": asdict(geometry)},
+                      sort_keys=True).encode()
 
 
 def plan_key(coords: torch.Tensor, spatial_shape, batch_size: int, geometry: ConvGeometry,

@@ -57,6 +57,9 @@ GENERATIVE_KERNELS = ("generative_candidates", "run_starts", "generative_scatter
 VIEW_KERNELS = ("sorted_map_t", "chunk_order")
 PLAN_CHECK = "plan_bounds"
 IM2COL, IM2COL_CHANNEL_MAJOR = "im2col", "im2col_channel_major"
+POOL_FWD, POOL_BWD = "sparse_pool_fwd", "sparse_pool_bwd"
+# Pool windows of the sparse U-Nets and detectors that pool: 2x2x2 and 3x3x3.
+REP_POOL_VOLUMES = (8, 27)
 # Kernels: short name -> "module:attribute" in KERNEL_PACKAGE.
 KERNELS = {
     GATHER_GEMM: "conv_gather_gemm:conv_gather_gemm_kernel",
@@ -70,6 +73,8 @@ KERNELS = {
     PLAN_CHECK: "plan_check:plan_bounds_kernel",
     IM2COL: "conv_im2col:im2col_kernel",
     IM2COL_CHANNEL_MAJOR: "conv_im2col:im2col_channel_major_kernel",
+    POOL_FWD: "sparse_pool:sparse_pool_fwd_kernel",
+    POOL_BWD: "sparse_pool:sparse_pool_bwd_kernel",
 }
 
 
@@ -346,6 +351,27 @@ def im2col_variants() -> Iterator[Variant]:
                 REVERSE_V=reverse, BLOCK_M=block_m, BLOCK_K=block_k, V_PAD=v_pad))
 
 
+def pool_variants() -> Iterator[Variant]:
+    """The launches of ops.sparse_pool (max / avg, forward with and without what the backward
+    reads, backward) for the 16-bit and float32 feature dtypes, channel counts divisible by 16
+    (others JIT-compile) and REP_POOL_VOLUMES."""
+    import torch
+
+    from ..ops.sparse_pool import pool_backward_constexprs, pool_forward_constexprs
+
+    i32, f32 = ("tensor", "int32"), ("tensor", "float32")
+    dtypes = sorted({_torch_dtype(d) for d in DTYPES} - {"float64"})
+    for dtype, mode, volume in itertools.product(dtypes, ("max", "avg"), REP_POOL_VOLUMES):
+        feats, torch_dtype = ("tensor", dtype), getattr(torch, dtype)
+        for write_arg in (False, True):  # inference, training
+            yield make_variant(POOL_FWD, dict(feats=feats, nmap=i32, out=feats, arg=i32, count=f32,
+                                              rows=REP_ROWS[0], C=INT_DIV16),
+                               pool_forward_constexprs(mode, volume, write_arg, torch_dtype))
+        yield make_variant(POOL_BWD, dict(grad_out=feats, bmap=i32, arg=i32, count=f32,
+                                          grad_in=feats, rows=REP_ROWS[0], C=INT_DIV16),
+                           pool_backward_constexprs(mode, volume, torch_dtype))
+
+
 _VARIANTS_OF = {GATHER_GEMM: gather_gemm_variants, WGRAD: wgrad_variants}
 
 
@@ -355,7 +381,8 @@ def enumerate_variants(kernel_filter: str | None = None, channels: Iterable[int]
     kernel_filter keeps the kernels whose short name contains it."""
     seen: dict[Variant, None] = {}
     for variant in itertools.chain(planner_variants(), segment_variants(), generative_variants(),
-                                   view_variants(), check_variants(), im2col_variants()):
+                                   view_variants(), check_variants(), im2col_variants(),
+                                   pool_variants()):
         if not kernel_filter or kernel_filter in variant.kernel:
             seen.setdefault(variant, None)
     # A target's backend decides float32's dot precision (kernel_configs.dot_precision).

@@ -5,7 +5,10 @@ from .sparse_conv_tensor import IndiceData, SparseConvTensor
 from .sparse_sequential import SparseSequential, ToDense
 from .spconv_layers import (SparseConv3d, SparseConvolution, SparseConvTranspose3d,
                             SparseInverseConv3d, SparseModule, SubMConv3d)
+from .spconv_pool import (SparseAvgPool, SparseAvgPool3d, SparseGlobalAvgPool,
+                          SparseGlobalMaxPool, SparseMaxPool, SparseMaxPool3d)
 
-__all__ = ["IndiceData", "SparseConv3d", "SparseConvTensor", "SparseConvTranspose3d",
-           "SparseConvolution", "SparseInverseConv3d", "SparseModule", "SparseSequential",
-           "SubMConv3d", "ToDense"]
+__all__ = ["IndiceData", "SparseAvgPool", "SparseAvgPool3d", "SparseConv3d", "SparseConvTensor",
+           "SparseConvTranspose3d", "SparseConvolution", "SparseGlobalAvgPool",
+           "SparseGlobalMaxPool", "SparseInverseConv3d", "SparseMaxPool", "SparseMaxPool3d",
+           "SparseModule", "SparseSequential", "SubMConv3d", "ToDense"]

@@ -1,0 +1,119 @@
+"""spconv 2.x pooling layers over flexplan plans: SparseMaxPool3d, SparseAvgPool3d and the global
+pools, with spconv's constructors.
+
+A pool's window is a convolution's: its plan (kernel, stride, padding, dilation; stride None
+means stride = kernel, as in spconv) is the strided conv planner's, so the output coordinates
+follow spconv's rules, a pool and a conv of one geometry share one plan, and a pool with an
+indice_key can be inverted by a SparseInverseConv3d of the same kernel size, as in spconv.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..cache.key import derived_identity
+from ..geometry import ConvGeometry
+from ..ops.sparse_pool import global_pool, sparse_pool
+from ..sparse_tensor import Plans
+from .sparse_conv_tensor import IndiceData, SparseConvTensor
+from .spconv_layers import SparseModule, _record
+
+
+def _check_input(module, x) -> None:
+    if not isinstance(x, SparseConvTensor):
+        raise TypeError(f"{type(module).__name__} expects a SparseConvTensor, got "
+                        f"{type(x).__name__}")
+
+
+class SparsePool(SparseModule):
+    """spconv's SparseMaxPool / SparseAvgPool (ndim=3). subm=True pools each voxel's
+    neighbourhood onto the voxel itself (output coordinates = input coordinates). algo and
+    record_voxel_count are accepted for spconv compatibility (flexplan picks its own kernels)."""
+
+    mode = "max"
+
+    def __init__(self, ndim: int, kernel_size=3, stride=1, padding=0, dilation=1,
+                 indice_key=None, subm: bool = False, algo=None, record_voxel_count: bool = False,
+                 name=None):
+        super().__init__(name)
+        if ndim != 3:
+            raise NotImplementedError(f"flexplan pooling is 3D; got ndim={ndim}")
+        self.geometry = ConvGeometry.make(kernel_size, dilation,
+                                          kernel_size if stride is None else stride,
+                                          padding, submanifold=subm)
+        if subm and (self.geometry.stride != (1, 1, 1) or self.geometry.padding != (0, 0, 0)):
+            raise ValueError("a submanifold pool keeps each voxel: stride 1, padding 0")
+        self.ndim = 3
+        self.kernel_size, self.stride = self.geometry.kernel_size, self.geometry.stride
+        self.padding, self.dilation = self.geometry.padding, self.geometry.dilation
+        self.indice_key, self.subm, self.algo = indice_key, subm, algo
+        self.record_voxel_count = record_voxel_count
+
+    def forward(self, x: SparseConvTensor) -> SparseConvTensor:
+        _check_input(self, x)
+        plan = x.get_plan(self.geometry, training=torch.is_grad_enabled())  # as the convs ask
+        if self.subm:
+            plans, indice_dict = x._plans, x.indice_dict
+        else:  # the output coords are named from the input's: never hashed
+            plans = Plans(derived_identity(x.coords_identity(), x.spatial_shape, x.batch_size,
+                                           self.geometry))
+            indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
+                plan.out_coords, x.indices, x.spatial_shape, plan.out_spatial_shape,
+                is_subm=False, plan=plan, in_plans=x._plans))
+        feats = sparse_pool(x.features, plan, self.mode)
+        return x._derived(feats, plan.out_coords, plan.out_spatial_shape, indice_dict, plans)
+
+    def extra_repr(self) -> str:
+        s = f"kernel_size={self.kernel_size}, stride={self.stride}"
+        if self.padding != (0, 0, 0):
+            s += f", padding={self.padding}"
+        if self.dilation != (1, 1, 1):
+            s += f", dilation={self.dilation}"
+        return s + (", subm=True" if self.subm else "")
+
+
+class SparseMaxPool(SparsePool):
+    mode = "max"
+
+
+class SparseAvgPool(SparsePool):
+    """Average over the voxels present in each window (spconv: the real point count)."""
+
+    mode = "avg"
+
+
+class SparseMaxPool3d(SparseMaxPool):
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
+                 algo=None, record_voxel_count: bool = False, name=None):
+        super().__init__(3, kernel_size, stride, padding, dilation, indice_key=indice_key,
+                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+
+
+class SparseAvgPool3d(SparseAvgPool):
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
+                 algo=None, record_voxel_count: bool = False, name=None):
+        super().__init__(3, kernel_size, stride, padding, dilation, indice_key=indice_key,
+                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+
+
+class SparseGlobalMaxOrAvgPool(SparseModule):
+    """[batch_size, C] dense tensor: per batch entry, the max or mean of its voxels' features
+    (an entry with no voxels: zeros)."""
+
+    def __init__(self, is_mean: bool, name=None):
+        super().__init__(name)
+        self.is_mean = is_mean
+
+    def forward(self, x: SparseConvTensor) -> torch.Tensor:
+        _check_input(self, x)
+        return global_pool(x.features, x.indices[:, 0], x.batch_size,
+                           "avg" if self.is_mean else "max")
+
+
+class SparseGlobalMaxPool(SparseGlobalMaxOrAvgPool):
+    def __init__(self, name=None):
+        super().__init__(is_mean=False, name=name)
+
+
+class SparseGlobalAvgPool(SparseGlobalMaxOrAvgPool):
+    def __init__(self, name=None):
+        super().__init__(is_mean=True, name=name)

@@ -1,0 +1,133 @@
+"""Sparse max / average pooling over a ConvPlan, and global pooling per batch entry.
+
+The window of a pool is a convolution's: a strided (or submanifold) plan of the pool's kernel,
+stride, padding and dilation gives the output coordinates (spconv's rules) and, per output row,
+the input rows of its window (plan.fwd); the backward reads the plan's bwd map (a submanifold
+plan: its fwd map). Kernels: kernels_src/sparse_pool.py.
+
+    max: the largest value of the window's inputs, per channel; its gradient goes to the first
+         input (in tap order) holding it
+    avg: the mean over the inputs present (spconv's SparseAvgPool: the real point count)
+"""
+from __future__ import annotations
+
+import torch
+
+from ..device_guard import on_device_of
+from ..kernels_src.sparse_pool import sparse_pool_bwd_kernel, sparse_pool_fwd_kernel
+from ..launcher import cdiv, launch
+from ..plan import ConvPlan
+
+POOL_MODES = ("max", "avg")
+# One launch shape for both directions: rows x channels tiles, the taps looped in the kernel.
+POOL_LAUNCH = dict(BLOCK_M=64, BLOCK_C=32, num_warps=4)
+POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def pool_forward_constexprs(mode: str, volume: int, write_arg: bool, dtype: torch.dtype) -> dict:
+    """The constexprs of a forward launch (the AOT build enumerates the same)."""
+    return dict(V=volume, IS_MAX=mode == "max", WRITE_ARG=write_arg,
+                FP64=dtype == torch.float64, **POOL_LAUNCH)
+
+
+def pool_backward_constexprs(mode: str, volume: int, dtype: torch.dtype) -> dict:
+    return dict(V=volume, IS_MAX=mode == "max", FP64=dtype == torch.float64, **POOL_LAUNCH)
+
+
+def _grid(rows: int, channels: int) -> tuple[int, int]:
+    return cdiv(rows, POOL_LAUNCH["BLOCK_M"]), cdiv(channels, POOL_LAUNCH["BLOCK_C"])
+
+
+class SparsePoolFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, feats: torch.Tensor, plan: ConvPlan, mode: str):
+        n_out, channels = plan.num_out, feats.shape[1]
+        volume = plan.geometry.volume
+        out = feats.new_empty((n_out, channels))
+        # What the backward needs: the winner of each output and channel (max) or each output's
+        # count (avg); written only when a gradient will be asked for.
+        write_arg = feats.requires_grad
+        arg = torch.empty((n_out, channels) if write_arg and mode == "max" else (1,),
+                          dtype=torch.int32, device=feats.device)
+        count = torch.empty((n_out,) if write_arg and mode == "avg" else (1,),
+                            dtype=torch.float32, device=feats.device)
+        if n_out and channels:
+            launch(sparse_pool_fwd_kernel, _grid(n_out, channels), feats, plan.fwd.neighbor_map,
+                   out, arg, count, n_out, channels,
+                   **pool_forward_constexprs(mode, volume, write_arg, feats.dtype))
+        ctx.plan, ctx.mode, ctx.num_in = plan, mode, feats.shape[0]
+        ctx.save_for_backward(arg, count)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        plan, mode = ctx.plan, ctx.mode
+        arg, count = ctx.saved_tensors
+        if not plan.for_training:
+            raise RuntimeError("this pooling ran on an inference plan (built with training=False, "
+                               "e.g. under torch.no_grad), which has no backward map: build the "
+                               "plan with training=True to differentiate")
+        grad_out = grad_out.contiguous()
+        channels = grad_out.shape[1]
+        # Submanifold plans keep no bwd map: their fwd map lists each voxel's neighbours, the
+        # same set (the window is symmetric), and the pool's backward sums over the whole set.
+        bmap = (plan.fwd if plan.bwd is None else plan.bwd).neighbor_map
+        grad_in = grad_out.new_empty((ctx.num_in, channels))
+        if ctx.num_in and channels:
+            launch(sparse_pool_bwd_kernel, _grid(ctx.num_in, channels), grad_out, bmap, arg,
+                   count, grad_in, ctx.num_in, channels,
+                   **pool_backward_constexprs(mode, plan.geometry.volume, grad_out.dtype))
+        return grad_in, None, None
+
+
+def _check(feats, plan, mode):
+    if not isinstance(plan, ConvPlan):
+        raise TypeError(f"plan must be a ConvPlan, got {type(plan).__name__}")
+    if mode not in POOL_MODES:
+        raise ValueError(f"unknown pooling mode {mode!r}; choose one of {POOL_MODES}")
+    if not isinstance(feats, torch.Tensor) or feats.dim() != 2:
+        raise ValueError(f"feats must be a [N, C] tensor, got "
+                         f"{tuple(feats.shape) if isinstance(feats, torch.Tensor) else type(feats)}")
+    if feats.dtype not in POOL_DTYPES:
+        raise TypeError(f"feats must be float16, bfloat16, float32 or float64, got {feats.dtype}")
+    if feats.shape[0] != plan.num_in:
+        raise ValueError(f"feats has {feats.shape[0]} rows but the plan expects "
+                         f"{plan.num_in} input voxels")
+    if feats.device != plan.device:
+        raise ValueError(f"feats is on {feats.device} but the plan is on {plan.device}; "
+                         "move the plan with plan.to(device)")
+    if plan.geometry.transposed:
+        raise ValueError("pooling takes a strided or submanifold plan, not a transposed one")
+
+
+def sparse_pool(feats: torch.Tensor, plan: ConvPlan, mode: str = "max") -> torch.Tensor:
+    """Pool feats [N_in, C] over the windows of `plan` (a plan of the pool's kernel, stride,
+    padding and dilation); returns [N_out, C] in feats' dtype. mode: "max" or "avg"."""
+    _check(feats, plan, mode)
+    with on_device_of(feats):
+        return SparsePoolFunction.apply(feats.contiguous(), plan, mode)
+
+
+def sparse_max_pool(feats: torch.Tensor, plan: ConvPlan) -> torch.Tensor:
+    return sparse_pool(feats, plan, "max")
+
+
+def sparse_avg_pool(feats: torch.Tensor, plan: ConvPlan) -> torch.Tensor:
+    return sparse_pool(feats, plan, "avg")
+
+
+def global_pool(feats: torch.Tensor, batch_index: torch.Tensor, batch_size: int,
+                mode: str = "max") -> torch.Tensor:
+    """[batch_size, C]: the max or mean of each batch entry's rows (batch_index [N], the
+    coordinates' batch column). An entry with no rows gives zeros (and no gradient). Plain
+    torch ops (scatter_reduce), no host sync; differentiable."""
+    if mode not in POOL_MODES:
+        raise ValueError(f"unknown pooling mode {mode!r}; choose one of {POOL_MODES}")
+    if feats.dim() != 2 or batch_index.shape != feats.shape[:1]:
+        raise ValueError(f"feats [N, C] and batch_index [N] expected, got {tuple(feats.shape)} "
+                         f"and {tuple(batch_index.shape)}")
+    index = batch_index.long()[:, None].expand_as(feats)
+    out = feats.new_zeros((batch_size, feats.shape[1]))
+    # include_self=False: an entry's result is its rows' alone; empty entries keep the zeros.
+    return out.scatter_reduce(0, index, feats, "amax" if mode == "max" else "mean",
+                              include_self=False)

@@ -1,0 +1,180 @@
+"""Sparse max / average pooling and the global pools against float64 brute-force references
+(every output's window found from the coordinates alone, not from the plan), forward and
+gradients, every dtype; the spconv-compatible layers."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import flexplan.nn.spconv as spconv
+from flexplan import ConvGeometry, build_plan
+from flexplan.ops.sparse_pool import global_pool, sparse_pool
+from flexplan.planner.generative import output_spatial_shape
+from flexplan.workloads import random_coords
+
+SHAPE = (7, 6, 5)
+# (kernel, stride, padding, dilation, submanifold)
+CASES = [
+    (2, 2, 0, 1, False),
+    (3, 2, 1, 1, False),
+    ((3, 1, 1), (2, 1, 1), 0, 1, False),
+    (3, 1, 0, 2, False),
+    (3, 1, 0, 1, True),
+]
+IDS = ["k2s2", "k3s2p1", "k311s211", "k3d2", "subm3"]
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def geometry(case) -> ConvGeometry:
+    k, s, p, d, subm = case
+    return ConvGeometry.make(k, d, s, p, submanifold=subm)
+
+
+def window_mask(in_coords, out_coords, geom: ConvGeometry) -> torch.Tensor:
+    """[N_out, N_in] bool: input i lies in output o's window, from the coordinates alone."""
+    i = in_coords.long()[None, :, :]
+    o = out_coords.long()[:, None, :]
+    inside = i[..., 0] == o[..., 0]
+    for axis in range(3):
+        k, s, d = geom.kernel_size[axis], geom.stride[axis], geom.dilation[axis]
+        # submanifold windows are centred on the voxel; strided ones start at o * s - p
+        start = o[..., axis + 1] - d * (k // 2) if geom.submanifold else \
+            o[..., axis + 1] * s - geom.padding[axis]
+        offset = i[..., axis + 1] - start
+        inside &= (offset >= 0) & (offset % d == 0) & (offset // d < k)
+    return inside
+
+
+def reference(feats, mask, mode):
+    if mode == "max":
+        return torch.where(mask[:, :, None], feats[None], float("-inf")).amax(1)
+    return (mask.to(feats.dtype) @ feats) / mask.sum(1, keepdim=True).to(feats.dtype)
+
+
+def expected_outputs(coords, geom, out_shape, batch_size):
+    """The output coordinates with at least one input in their window (the whole grid scanned)."""
+    grid = torch.tensor(list(itertools.product(range(batch_size), *map(range, out_shape))),
+                        dtype=torch.int32)
+    return grid[window_mask(coords, grid, geom).any(1)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("mode", ["max", "avg"])
+def test_pool_matches_float64_reference(case, mode, device):
+    geom = geometry(case)
+    gen = torch.Generator().manual_seed(hash((IDS[CASES.index(case)], mode)) % 2**31)
+    coords = random_coords(70, SHAPE, 2, generator=gen)
+    plan = build_plan(coords.to(device), SHAPE, 2, geom)
+    out_shape = SHAPE if geom.submanifold else output_spatial_shape(SHAPE, geom)
+    want = coords if geom.submanifold else expected_outputs(coords, geom, out_shape, 2)
+    got = plan.out_coords.cpu()
+    assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, want.tolist()))
+    mask = window_mask(coords, got, geom)
+    feats = torch.randn(coords.shape[0], 37, dtype=torch.float64, generator=gen)  # 37: odd C
+    ref_in = feats.clone().requires_grad_()
+    ref = reference(ref_in, mask, mode)
+    grad = torch.randn(ref.shape, dtype=torch.float64, generator=gen)
+    ref.backward(grad)
+    x = feats.to(device).requires_grad_()
+    out = sparse_pool(x, plan, mode)
+    out.backward(grad.to(device))
+    torch.testing.assert_close(out.cpu(), ref.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad.cpu(), ref_in.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["max", "avg"])
+def test_pool_dtypes(dtype, mode, device):
+    geom = geometry(CASES[1])
+    gen = torch.Generator().manual_seed(5)
+    coords = random_coords(60, SHAPE, 2, generator=gen)
+    plan = build_plan(coords.to(device), SHAPE, 2, geom)
+    # Distinct values per channel, exact in every dtype (k / 8, k < 64): a max has no ties,
+    # whose gradient the reference would split (amax) where the kernel picks the first.
+    n = coords.shape[0]
+    feats = torch.stack([torch.randperm(n, generator=gen) for _ in range(16)], 1).to(dtype) / 8 - 4
+    mask = window_mask(coords, plan.out_coords.cpu(), geom)
+    ref_in = feats.double().requires_grad_()
+    ref = reference(ref_in, mask, mode)
+    ref.backward(torch.ones_like(ref))
+    x = feats.to(device).requires_grad_()
+    out = sparse_pool(x, plan, mode)
+    out.float().sum().backward()
+    assert out.dtype == dtype and x.grad.dtype == dtype
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.cpu().double(), ref.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(x.grad.cpu().double(), ref_in.grad, rtol=tol, atol=tol)
+
+
+def test_pool_inference_plan_and_bad_input(device):
+    geom = geometry(CASES[0])
+    coords = random_coords(50, SHAPE, 2, generator=torch.Generator().manual_seed(6)).to(device)
+    plan = build_plan(coords, SHAPE, 2, geom, training=False)
+    full = build_plan(coords, SHAPE, 2, geom)
+    feats = torch.randn(coords.shape[0], 8, dtype=torch.float64, device=device)
+    torch.testing.assert_close(sparse_pool(feats, plan), sparse_pool(feats, full))
+    with pytest.raises(RuntimeError, match="inference plan"):
+        sparse_pool(feats.clone().requires_grad_(), plan).sum().backward()
+    with pytest.raises(ValueError, match="rows"):
+        sparse_pool(feats[1:], full)
+    with pytest.raises(ValueError, match="mode"):
+        sparse_pool(feats, full, "min")
+    with pytest.raises(TypeError, match="float16"):
+        sparse_pool(feats.long(), full)
+
+
+def test_global_pools_with_an_empty_batch_entry(device):
+    gen = torch.Generator().manual_seed(7)
+    coords = random_coords(40, SHAPE, 2, generator=gen)  # entries 0 and 1; entry 2 empty
+    feats = torch.randn(coords.shape[0], 5, dtype=torch.float64, generator=gen)
+    x = spconv.SparseConvTensor(feats.to(device).requires_grad_(), coords.to(device), SHAPE, 3)
+    for module, reduce in ((spconv.SparseGlobalMaxPool(), "amax"),
+                           (spconv.SparseGlobalAvgPool(), "mean")):
+        out = module(x)
+        assert out.shape == (3, 5)
+        for b in range(2):
+            rows = feats[coords[:, 0] == b]
+            want = rows.amax(0) if reduce == "amax" else rows.mean(0)
+            torch.testing.assert_close(out[b].cpu(), want)
+        assert torch.equal(out[2].cpu(), torch.zeros(5, dtype=torch.float64))
+        (grad,) = torch.autograd.grad(out.sum(), x.features)
+        counts = torch.bincount(coords[:, 0].long(), minlength=3).double()
+        if reduce == "mean":
+            torch.testing.assert_close(grad.cpu(), (1 / counts[coords[:, 0].long()])[:, None]
+                                       .expand(-1, 5))
+        else:
+            assert torch.equal(grad.cpu().sum(0), torch.full((5,), 2.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match="mode"):
+        global_pool(feats, coords[:, 0], 2, "sum")
+
+
+def test_spconv_pool_layers(device):
+    gen = torch.Generator().manual_seed(8)
+    coords = random_coords(80, SHAPE, 2, generator=gen).to(device)
+    feats = torch.randn(coords.shape[0], 4, dtype=torch.float64, generator=gen).to(device)
+    x = spconv.SparseConvTensor(feats, coords, SHAPE, 2)
+    pool = spconv.SparseMaxPool3d(2, indice_key="p")  # stride None: the kernel size
+    assert pool.stride == (2, 2, 2)
+    net = spconv.SparseSequential(pool, spconv.SparseInverseConv3d(4, 3, 2, indice_key="p"))
+    net = net.double().to(device)
+    y = net(x)
+    assert torch.equal(y.indices, coords) and y.features.shape == (coords.shape[0], 3)
+    down = pool(x)
+    plan = build_plan(coords, SHAPE, 2, ConvGeometry.make(2, 1, 2, 0, submanifold=False))
+    assert torch.equal(down.indices, plan.out_coords)
+    assert down.spatial_shape == output_spatial_shape(SHAPE, plan.geometry)
+    torch.testing.assert_close(down.features, sparse_pool(feats, plan))
+    avg = spconv.SparseAvgPool3d(3, 2, 1)(x)
+    torch.testing.assert_close(avg.features, sparse_pool(feats, build_plan(
+        coords, SHAPE, 2, ConvGeometry.make(3, 1, 2, 1, submanifold=False)), "avg"))
+    subm = spconv.SparseMaxPool(3, 3, 1, subm=True)(x)
+    assert torch.equal(subm.indices, coords)
+    with torch.no_grad():
+        torch.testing.assert_close(pool(x).features, down.features)
+    with pytest.raises(NotImplementedError, match="3D"):
+        spconv.SparseMaxPool(2, 2)
+    with pytest.raises(ValueError, match="submanifold"):
+        spconv.SparseMaxPool(3, 3, 2, subm=True)
+    assert "kernel_size=(2, 2, 2)" in repr(pool)

@@ -1,7 +1,8 @@
 """Sparse max / average pooling over a plan's gather maps (no atomics: bitwise reproducible).
 
 Forward, per output row o and channel c, over the taps v whose map entry i = nmap[o, v] exists:
-    max: out = max_v feats[i, c], arg[o, c] = the first i (in tap order) that reaches it
+    max: out = max_v feats[i, c], arg[o, c] = the first i (in tap order) that reaches it;
+         ZERO_FLOOR: max(0, that) (spconv's SparseMaxPool), arg -1 where 0 wins
     avg: out = sum_v feats[i, c] / count[o], count[o] = the number of such taps (spconv's rule:
          the real point count, not the kernel volume)
 Backward, per input row i, over the taps v whose bwd entry o = bmap[i, v] exists (a submanifold
@@ -18,7 +19,8 @@ import triton.language as tl
 # Not specialized: the row counts, which change with every set of coordinates.
 @triton.jit(do_not_specialize=["rows"])
 def sparse_pool_fwd_kernel(feats, nmap, out, arg, count, rows, C, V: tl.constexpr,
-                           IS_MAX: tl.constexpr, WRITE_ARG: tl.constexpr, FP64: tl.constexpr,
+                           IS_MAX: tl.constexpr, ZERO_FLOOR: tl.constexpr,
+                           WRITE_ARG: tl.constexpr, FP64: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     o = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -45,6 +47,8 @@ def sparse_pool_fwd_kernel(feats, nmap, out, arg, count, rows, C, V: tl.constexp
             total += x
             seen += has.to(tl.int32)
     if IS_MAX:
+        if ZERO_FLOOR:  # 0 wins unless a value passes it: no input gets the gradient
+            best_i = tl.where(best > 0, best_i, -1)
         result = tl.where(best_i >= 0, best, tl.zeros_like(best))
         if WRITE_ARG:
             tl.store(arg + o[:, None] * C + c[None, :], best_i, mask=live)

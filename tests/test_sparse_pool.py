@@ -165,7 +165,8 @@ def test_spconv_pool_layers(device):
     plan = build_plan(coords, SHAPE, 2, ConvGeometry.make(2, 1, 2, 0, submanifold=False))
     assert torch.equal(down.indices, plan.out_coords)
     assert down.spatial_shape == output_spatial_shape(SHAPE, plan.geometry)
-    torch.testing.assert_close(down.features, sparse_pool(feats, plan))
+    # spconv's max starts at 0: relu of the plain max, forward and gradient
+    torch.testing.assert_close(down.features, sparse_pool(feats, plan).relu())
     avg = spconv.SparseAvgPool3d(3, 2, 1)(x)
     torch.testing.assert_close(avg.features, sparse_pool(feats, build_plan(
         coords, SHAPE, 2, ConvGeometry.make(3, 1, 2, 1, submanifold=False)), "avg"))
@@ -178,3 +179,24 @@ def test_spconv_pool_layers(device):
     with pytest.raises(ValueError, match="submanifold"):
         spconv.SparseMaxPool(3, 3, 2, subm=True)
     assert "kernel_size=(2, 2, 2)" in repr(pool)
+
+
+def test_zero_floor_max_is_relu_of_max(device):
+    """spconv's SparseMaxPool: max(0, window max); windows of negative values give 0 and pass
+    no gradient (as relu's does at 0)."""
+    geom = geometry(CASES[1])
+    gen = torch.Generator().manual_seed(9)
+    coords = random_coords(60, SHAPE, 2, generator=gen).to(device)
+    plan = build_plan(coords, SHAPE, 2, geom)
+    feats = torch.randn(coords.shape[0], 6, dtype=torch.float64, generator=gen).to(device)
+    feats[:, 0] = -feats[:, 0].abs() - 0.1  # channel 0: every window negative
+    a, b = feats.clone().requires_grad_(), feats.clone().requires_grad_()
+    out = sparse_pool(a, plan, "max", zero_floor=True)
+    ref = sparse_pool(b, plan, "max").relu()
+    grad = torch.randn(out.shape, dtype=torch.float64, generator=gen).to(device)
+    out.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0]))
+    torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    assert torch.equal(a.grad[:, 0], torch.zeros_like(a.grad[:, 0]))

@@ -363,10 +363,13 @@ def pool_variants() -> Iterator[Variant]:
     dtypes = sorted({_torch_dtype(d) for d in DTYPES} - {"float64"})
     for dtype, mode, volume in itertools.product(dtypes, ("max", "avg"), REP_POOL_VOLUMES):
         feats, torch_dtype = ("tensor", dtype), getattr(torch, dtype)
-        for write_arg in (False, True):  # inference, training
+        # inference, training; the max floored at 0 (the spconv layers') and the plain one
+        floors = (True, False) if mode == "max" else (False,)
+        for write_arg, zero_floor in itertools.product((False, True), floors):
             yield make_variant(POOL_FWD, dict(feats=feats, nmap=i32, out=feats, arg=i32, count=f32,
                                               rows=REP_ROWS[0], C=INT_DIV16),
-                               pool_forward_constexprs(mode, volume, write_arg, torch_dtype))
+                               pool_forward_constexprs(mode, volume, write_arg, torch_dtype,
+                                                       zero_floor))
         yield make_variant(POOL_BWD, dict(grad_out=feats, bmap=i32, arg=i32, count=f32,
                                           grad_in=feats, rows=REP_ROWS[0], C=INT_DIV16),
                            pool_backward_constexprs(mode, volume, torch_dtype))

@@ -30,6 +30,7 @@ class SparsePool(SparseModule):
     record_voxel_count are accepted for spconv compatibility (flexplan picks its own kernels)."""
 
     mode = "max"
+    zero_floor = False
 
     def __init__(self, ndim: int, kernel_size=3, stride=1, padding=0, dilation=1,
                  indice_key=None, subm: bool = False, algo=None, record_voxel_count: bool = False,
@@ -59,7 +60,7 @@ class SparsePool(SparseModule):
             indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
                 plan.out_coords, x.indices, x.spatial_shape, plan.out_spatial_shape,
                 is_subm=False, plan=plan, in_plans=x._plans))
-        feats = sparse_pool(x.features, plan, self.mode)
+        feats = sparse_pool(x.features, plan, self.mode, self.zero_floor)
         return x._derived(feats, plan.out_coords, plan.out_spatial_shape, indice_dict, plans)
 
     def extra_repr(self) -> str:
@@ -72,7 +73,13 @@ class SparsePool(SparseModule):
 
 
 class SparseMaxPool(SparsePool):
+    """Max over the voxels present in each window, floored at 0 as spconv 2.x computes it (its
+    kernels start the max at 0): relu(max), the same numbers as spconv, and for the
+    non-negative features of a ReLU network the plain max. (flexplan.ops.sparse_pool without
+    zero_floor is the plain max of any features.)"""
+
     mode = "max"
+    zero_floor = True
 
 
 class SparseAvgPool(SparsePool):

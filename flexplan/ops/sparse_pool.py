@@ -6,7 +6,8 @@ the input rows of its window (plan.fwd); the backward reads the plan's bwd map (
 plan: its fwd map). Kernels: kernels_src/sparse_pool.py.
 
     max: the largest value of the window's inputs, per channel; its gradient goes to the first
-         input (in tap order) holding it
+         input (in tap order) holding it. zero_floor=True: max(0, that), which is what spconv's
+         SparseMaxPool computes (its kernels start the max at 0), i.e. relu(max)
     avg: the mean over the inputs present (spconv's SparseAvgPool: the real point count)
 """
 from __future__ import annotations
@@ -24,10 +25,11 @@ POOL_LAUNCH = dict(BLOCK_M=64, BLOCK_C=32, num_warps=4)
 POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def pool_forward_constexprs(mode: str, volume: int, write_arg: bool, dtype: torch.dtype) -> dict:
+def pool_forward_constexprs(mode: str, volume: int, write_arg: bool, dtype: torch.dtype,
+                            zero_floor: bool = False) -> dict:
     """The constexprs of a forward launch (the AOT build enumerates the same)."""
-    return dict(V=volume, IS_MAX=mode == "max", WRITE_ARG=write_arg,
-                FP64=dtype == torch.float64, **POOL_LAUNCH)
+    return dict(V=volume, IS_MAX=mode == "max", ZERO_FLOOR=zero_floor and mode == "max",
+                WRITE_ARG=write_arg, FP64=dtype == torch.float64, **POOL_LAUNCH)
 
 
 def pool_backward_constexprs(mode: str, volume: int, dtype: torch.dtype) -> dict:
@@ -40,7 +42,7 @@ def _grid(rows: int, channels: int) -> tuple[int, int]:
 
 class SparsePoolFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, feats: torch.Tensor, plan: ConvPlan, mode: str):
+    def forward(ctx, feats: torch.Tensor, plan: ConvPlan, mode: str, zero_floor: bool):
         n_out, channels = plan.num_out, feats.shape[1]
         volume = plan.geometry.volume
         out = feats.new_empty((n_out, channels))
@@ -54,7 +56,7 @@ class SparsePoolFunction(torch.autograd.Function):
         if n_out and channels:
             launch(sparse_pool_fwd_kernel, _grid(n_out, channels), feats, plan.fwd.neighbor_map,
                    out, arg, count, n_out, channels,
-                   **pool_forward_constexprs(mode, volume, write_arg, feats.dtype))
+                   **pool_forward_constexprs(mode, volume, write_arg, feats.dtype, zero_floor))
         ctx.plan, ctx.mode, ctx.num_in = plan, mode, feats.shape[0]
         ctx.save_for_backward(arg, count)
         return out
@@ -77,7 +79,7 @@ class SparsePoolFunction(torch.autograd.Function):
             launch(sparse_pool_bwd_kernel, _grid(ctx.num_in, channels), grad_out, bmap, arg,
                    count, grad_in, ctx.num_in, channels,
                    **pool_backward_constexprs(mode, plan.geometry.volume, grad_out.dtype))
-        return grad_in, None, None
+        return grad_in, None, None, None
 
 
 def _check(feats, plan, mode):
@@ -100,12 +102,14 @@ def _check(feats, plan, mode):
         raise ValueError("pooling takes a strided or submanifold plan, not a transposed one")
 
 
-def sparse_pool(feats: torch.Tensor, plan: ConvPlan, mode: str = "max") -> torch.Tensor:
+def sparse_pool(feats: torch.Tensor, plan: ConvPlan, mode: str = "max",
+                zero_floor: bool = False) -> torch.Tensor:
     """Pool feats [N_in, C] over the windows of `plan` (a plan of the pool's kernel, stride,
-    padding and dilation); returns [N_out, C] in feats' dtype. mode: "max" or "avg"."""
+    padding and dilation); returns [N_out, C] in feats' dtype. mode: "max" or "avg".
+    zero_floor (max): outputs max(0, window max), spconv's SparseMaxPool."""
     _check(feats, plan, mode)
     with on_device_of(feats):
-        return SparsePoolFunction.apply(feats.contiguous(), plan, mode)
+        return SparsePoolFunction.apply(feats.contiguous(), plan, mode, bool(zero_floor))
 
 
 def sparse_max_pool(feats: torch.Tensor, plan: ConvPlan) -> torch.Tensor:

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-pool-"))
 
 import flexplan.nn.spconv as fx  # noqa: E402
+from flexplan.cache import plan_cache  # noqa: E402
 from bench_common import host_launch_us, today  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
 
@@ -107,6 +108,8 @@ def main() -> None:
                                 with torch.no_grad():
                                     layer(make(f, i, s, 2))
                         run = batches if coords == "fresh" else [batches[0]] * count
+                        if coords == "fresh":  # earlier rows saw these batches: forget them
+                            plan_cache.clear(disk=True)
                         ms[impl] = time_steps(step, run, args.warmup)
                     row = (f"| {name} | {str(dtype).removeprefix('torch.')} | {phase} | {coords} | "
                            f"{ms['spconv']:.3f} | {ms['flexplan']:.3f} | "

@@ -23,11 +23,11 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from .aot import direct
+from .aot import direct, runtime
+from .aot.launch_abi import mirrors_triton_launcher
 
 AOT_ENV = "FLEXPLAN_AOT"
 
@@ -52,6 +52,10 @@ def forget_calls() -> None:
     _calls.clear()
 
 
+# A call resolved to a bundle binary must be resolved again once the bundles change.
+runtime.on_reset(forget_calls)
+
+
 def _constexpr_tail(kernel, args: tuple, constexprs: dict) -> tuple | None:
     """Values of the parameters after the positional arguments, when those are all constexprs
     (given or defaulted); None when the call does not have that shape."""
@@ -72,9 +76,10 @@ def _constexpr_tail(kernel, args: tuple, constexprs: dict) -> tuple | None:
 
 
 _UNIT_GRID = (1, 1, 1)  # a grid's missing dimensions
-# Triton versions whose CudaLauncher.__call__(grid, stream, function, *args) calls
-# launch(grid, stream, function, cooperative, pdl, global_scratch, profile_scratch, *args).
-_SCRATCH_FREE_CUDA_LAUNCHER = triton.__version__.startswith("3.6.")
+# Whether this Triton's CudaLauncher.__call__(grid, stream, function, *args) calls
+# launch(grid, stream, function, cooperative, pdl, global_scratch, profile_scratch, *args):
+# the gate the direct driver launch shares (launch_abi).
+_SCRATCH_FREE_CUDA_LAUNCHER = mirrors_triton_launcher()
 
 
 # What Triton specializes the argument of one parameter on, as its decorator says: everything
@@ -171,8 +176,6 @@ def _triton_run(compiled):
 def _resolve_and_launch(kernel, grid, args: tuple, constexprs: dict):
     """Launch the slow way; return how this call's binary launches, or None (not repeatable)."""
     if _aot_enabled():
-        from .aot import runtime
-
         binary = direct.launch(kernel, grid, args, constexprs)
         if binary is not None:
             return binary.launch

@@ -219,6 +219,7 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
     from flexplan.coords_hash import coords_digest
     from flexplan.planner.generative_triton import transposed_map_triton
     from flexplan.nn.submconv import SubMConv3d
+    from flexplan.ops.sparse_pool import sparse_pool
     from flexplan.workloads import random_coords
 
     backend, binders = make_backend(GPUTarget("cuda", 90, 32)), {}
@@ -241,7 +242,7 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
         seen.append(specialization(kernel, args, constexprs))
         return real_launch(kernel, grid, *args, **constexprs)
 
-    for name in ("flexplan.ops.sparse_conv", "flexplan.planner.hashmap",
+    for name in ("flexplan.ops.sparse_conv", "flexplan.ops.sparse_pool", "flexplan.planner.hashmap",
                  "flexplan.planner.segments_triton", "flexplan.planner.generative_triton",
                  "flexplan.coords_hash"):
         monkeypatch.setattr(importlib.import_module(name), "launch", recording_launch)
@@ -263,6 +264,12 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
         for algo in ("auto", "explicit"):  # explicit: its im2col kernel
             conv = SubMConv3d(16, 16, dtype=dtype, algo=algo)
             conv(x).feats.float().square().sum().backward()
+        pool_plan = build_plan(coords, (8, 8, 8), 1, ConvGeometry.make(2, stride=2,
+                                                                         submanifold=False))
+        for mode in ("max", "avg"):
+            sparse_pool(x.feats, pool_plan, mode).float().sum().backward()
+            with torch.no_grad():
+                sparse_pool(x.feats, pool_plan, mode)
     kernels = {k.split(":")[1] for k in KERNELS.values()}
     assert {s[0] for s in seen} == kernels  # every kernel of the registry, nothing else
     for call in seen:
@@ -344,14 +351,14 @@ _DIRECT_PROBE = r'''
 import ctypes, importlib, json, logging, os, sys
 import torch, triton
 from triton.runtime.driver import driver
-from flexplan.aot import direct, runtime
+from flexplan.aot import direct, launch_abi, runtime
 from flexplan.aot.specialize import Specializer, _example
 from flexplan.aot.variants import enumerate_variants
 
 logging.basicConfig(level=logging.WARNING, format="LOG %(message)s", stream=sys.stdout)
 # A fake sm_90 device: Triton's binder and the bundle lookup run for real, the driver calls are
 # recorded. This Triton's kernels have Triton 3.6's parameter ABI (test above), so allow it here.
-direct.DIRECT_TRITON = (triton.__version__,)
+launch_abi.MIRRORED_VERSIONS = (triton.__version__,)
 direct.libcuda = lambda: None
 torch.cuda.current_device = lambda: 0
 torch.cuda.get_device_capability = lambda device=None: (9, 0)

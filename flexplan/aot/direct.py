@@ -22,13 +22,12 @@ from dataclasses import dataclass, field
 import torch
 from triton import knobs
 
-from . import runtime
+from . import launch_abi, runtime
 from .cuda_launch import CudaKernel, libcuda
 from .keys import kernel_name
 from .kernel_params import ParamBlock, Unsupported, kernel_params, param_bytes
 
 LAUNCH_ENV = "FLEXPLAN_AOT_LAUNCH"  # "triton": always launch through Triton's launcher
-DIRECT_TRITON = ("3.6.",)  # Triton versions whose launcher kernel_params / cuda_launch mirror
 _MAX_TMEM_COLUMNS = 512  # Triton's tensor-memory limit (it raises OutOfResources above it)
 
 _UNKNOWN = object()
@@ -52,7 +51,7 @@ def _why_unavailable() -> str | None:
         return f"{LAUNCH_ENV}=triton"
     if torch.version.hip:
         return "ROCm"
-    if not triton.__version__.startswith(DIRECT_TRITON):
+    if not launch_abi.mirrors_triton_launcher():
         return (f"Triton {triton.__version__}: the direct launcher mirrors Triton 3.6's "
                 "(Triton 3.9's needs no host compiler anyway)")
     try:
@@ -68,6 +67,10 @@ def reset() -> None:
     _unavailable = _UNKNOWN
     _states.clear()
     _not_bundled.clear()
+
+
+# The binaries loaded here came from the bundles runtime indexed: forget them with its index.
+runtime.on_reset(reset)
 
 
 def launch(fn, grid, args: tuple, kwargs: dict) -> DirectKernel | None:

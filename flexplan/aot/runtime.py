@@ -17,6 +17,7 @@ import logging
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 from .bundle import Bundle, bundle_dirs, read_bundle
 from .keys import (BINARY_EXT, canonical_spec, kernel_name, source_hash, target_name, triton_version,
@@ -36,6 +37,10 @@ _logged: set[str] = set()
 # "aot": bundle binaries loaded; "direct": those of them launched through the driver API
 # (flexplan.aot.direct); "jit": compiles left to Triton's JIT.
 stats = Counter()
+# Resets of the caches built on top of the index (flexplan.aot.direct's loaded binaries,
+# flexplan.launcher's resolved calls), which register here when imported: reset() clears them
+# while this module, below both in the launch layer, imports neither.
+_dependent_resets: list[Callable[[], None]] = []
 
 
 def install() -> None:
@@ -52,8 +57,16 @@ def install() -> None:
             _installed = True
 
 
+def on_reset(forget: Callable[[], None]) -> None:
+    """Have reset() also call `forget` (a cache of what the bundles served; registered once)."""
+    with _lock:
+        if forget not in _dependent_resets:
+            _dependent_resets.append(forget)
+
+
 def reset() -> None:
-    """Forget loaded bundles and logged messages (tests; after installing a new bundle)."""
+    """Forget loaded bundles and logged messages, and what the layers above resolved from them
+    (tests; after installing a new bundle)."""
     global _index
     with _lock:
         _index = None
@@ -61,11 +74,9 @@ def reset() -> None:
         _refused.clear()
         _logged.clear()
         stats.clear()
-    from .. import launcher
-    from . import direct
-
-    direct.reset()
-    launcher.forget_calls()
+        forgets = list(_dependent_resets)
+    for forget in forgets:
+        forget()
 
 
 def load_index() -> dict[str, tuple[Bundle, dict]]:

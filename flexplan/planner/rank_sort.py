@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from .segments import sort_by_rank
+from .segments_torch import sort_by_rank
 
 SORT_GRAPHS_ENV = "FLEXPLAN_SORT_GRAPHS"
 # Rows sorted through graphs: below, torch.sort is a single in-place kernel; above, the GPU's

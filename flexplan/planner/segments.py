@@ -1,79 +1,17 @@
 """From a neighbour map to the masked-GEMM schedule: Gray-code order, per-block valid offsets,
-and per-offset (input, output) pairs. Plain torch ops (the CPU path and the test oracle); the
-same schedule on the GPU is segments_triton.py."""
+and per-offset (input, output) pairs. This module picks the path: plain torch ops
+(segments_torch.py: the CPU path and the test oracle) or the same schedule on the GPU
+(segments_triton.py)."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
-from ..plan import MISSING, GatherMap
-
-if TYPE_CHECKING:  # segments_triton imports this module
-    from .segments_triton import ScheduleLayout
-
-
-def rank_words(volume: int) -> tuple[int, torch.dtype, int]:
-    """(bits, dtype, count) of the words holding a Gray rank of `volume` offsets, least
-    significant first, bits - 1 mask bits per word so that every word is positive (signed
-    sorting is then unsigned order): one int32 word up to 31 offsets (a cheaper radix sort),
-    else int64 words."""
-    bits, dtype = (32, torch.int32) if volume <= 31 else (64, torch.int64)
-    return bits, dtype, -(-volume // (bits - 1))
-
-
-def gray_rank_words(present: torch.Tensor) -> torch.Tensor:
-    """[words, M]: rank of each row of the bool [M, V] mask in the reflected Gray code, in the
-    words rank_words(V) gives: the inverse Gray code of the mask read as a big integer (offset
-    V-1 most significant), i.e. bit i of the rank is the XOR of mask bits >= i.
-    """
-    m, v = present.shape
-    bits, dtype, count = rank_words(v)
-    mask_bits = bits - 1
-    ranks = torch.empty((count, m), dtype=dtype, device=present.device)
-    carry = torch.zeros(m, dtype=torch.int64, device=present.device)
-    for w in reversed(range(count)):  # most significant word first
-        chunk = present[:, w * mask_bits:(w + 1) * mask_bits].to(torch.int64)
-        word = (chunk << torch.arange(chunk.shape[1], device=chunk.device)).sum(dim=1)
-        for shift in (1, 2, 4, 8, 16, 32):  # prefix XOR from the top bit down
-            word = word ^ (word >> shift)
-        word = word ^ (carry * ((1 << mask_bits) - 1))  # parity of the words above flips all bits
-        carry = word & 1
-        ranks[w] = word
-    return ranks
-
-
-def sort_by_rank(ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted ranks, order): stable sort of rows by their rank, [M] (one word) or [words, M]."""
-    if ranks.dim() == 1:
-        return torch.sort(ranks, stable=True)
-    values, order = torch.sort(ranks[0], stable=True)
-    for rank in ranks[1:]:  # stable sorts from the least significant word upward
-        values, step = torch.sort(rank[order], stable=True)
-        order = order[step]
-    return (values[None] if ranks.shape[0] == 1 else ranks[:, order]), order
-
-
-def gray_code_order(present: torch.Tensor) -> torch.Tensor:
-    """Permutation sorting rows of the bool [M, V] mask by their rank in the reflected Gray code.
-
-    Neighbouring rows in that order differ in few offsets, so a block of them shares most of its
-    offsets and the masked kernel skips the rest.
-    """
-    return sort_by_rank(gray_rank_words(present))[1]
-
-
-def block_valid_offsets(present_sorted: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """valid_kernel, valid_kernel_seg for blocks of `block` consecutive sorted rows."""
-    m, v = present_sorted.shape
-    n_blocks = -(-m // block)
-    padded = present_sorted.new_zeros((n_blocks * block, v))
-    padded[:m] = present_sorted
-    union = padded.view(n_blocks, block, v).any(dim=1)
-    seg = torch.zeros(n_blocks + 1, dtype=torch.int32, device=present_sorted.device)
-    seg[1:] = union.sum(dim=1).cumsum(0)
-    valid_kernel = union.nonzero()[:, 1].to(torch.int32)
-    return valid_kernel, seg
+from ..plan import GatherMap
+# The torch path lives below the Triton path (which takes its word layout and its empty-map
+# results from there); the helpers are re-exported because callers name them as segments'.
+from .segments_torch import (block_valid_offsets, gather_map_torch, gray_code_order,  # noqa: F401
+                             gray_rank_words, rank_words, sort_by_rank, valid_signal_torch)
+from .segments_triton import ScheduleLayout, plan_schedule_triton
 
 
 def _use_triton(neighbor_map: torch.Tensor, backend: str) -> bool:
@@ -97,12 +35,10 @@ def plan_schedule(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...], back
     """
     signal_offsets = neighbor_map.shape[1] if signal_offsets is None else signal_offsets
     if _use_triton(neighbor_map, backend):
-        from .segments_triton import plan_schedule_triton
-
         return plan_schedule_triton(neighbor_map, block_sizes, signal_offsets, readback, num_flags,
                                     layout, pairs_total)
-    return (gather_map(neighbor_map, block_sizes, "torch"),
-            valid_signal(neighbor_map, "torch", signal_offsets),
+    return (gather_map_torch(neighbor_map, block_sizes),
+            valid_signal_torch(neighbor_map, signal_offsets),
             readback[:num_flags].tolist() if num_flags else None)
 
 
@@ -114,16 +50,8 @@ def gather_map(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],
     "auto" (Triton on a GPU).
     """
     if _use_triton(neighbor_map, backend):
-        from .segments_triton import plan_schedule_triton
-
         return plan_schedule_triton(neighbor_map, block_sizes, 0)[0]
-    present = neighbor_map != MISSING
-    order = gray_code_order(present)
-    present_sorted = present[order]
-    kernels, segs = {}, {}
-    for block in block_sizes:
-        kernels[block], segs[block] = block_valid_offsets(present_sorted, block)
-    return GatherMap(neighbor_map, order.to(torch.int32), kernels, segs)
+    return gather_map_torch(neighbor_map, block_sizes)
 
 
 def valid_signal(neighbor_map: torch.Tensor, backend: str = "auto", signal_offsets: int | None = None
@@ -133,11 +61,5 @@ def valid_signal(neighbor_map: torch.Tensor, backend: str = "auto", signal_offse
     (see plan.mirrored_signal_offsets)."""
     v = neighbor_map.shape[1] if signal_offsets is None else signal_offsets
     if _use_triton(neighbor_map, backend):
-        from .segments_triton import plan_schedule_triton
-
         return plan_schedule_triton(neighbor_map, (), v)[1]
-    offset, out_rows = (neighbor_map[:, :v].t() != MISSING).nonzero(as_tuple=True)
-    in_rows = neighbor_map[out_rows, offset]
-    seg = torch.zeros(v + 1, dtype=torch.int32, device=neighbor_map.device)
-    seg[1:] = torch.bincount(offset, minlength=v).cumsum(0)
-    return in_rows.to(torch.int32), out_rows.to(torch.int32), seg
+    return valid_signal_torch(neighbor_map, v)

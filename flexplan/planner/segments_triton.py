@@ -21,7 +21,7 @@ from ..kernels_src import plan_segments as kernels
 from ..launcher import cdiv, launch
 from ..plan import BlockRuns, GatherMap
 from .rank_sort import TorchSort, rank_sorter
-from .segments import gather_map, rank_words, valid_signal
+from .segments_torch import gather_map_torch, rank_words, valid_signal_torch
 
 # Tiles and warps (H100 sweeps, 2026-11-24, R = 256 / 512 / 1024 shells). gray_rank and pairs
 # share their row blocks (pairs are counted per row block): 32 rows took pairs 31 / 120 / 466 us
@@ -131,8 +131,8 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     lengths stay on the device until a run is viewed (BlockRuns)."""
     m, v = neighbor_map.shape
     if m == 0:  # nothing to launch
-        return (gather_map(neighbor_map, block_sizes, "torch") if block_sizes else None,
-                valid_signal(neighbor_map, "torch", signal_offsets) if signal_offsets else None,
+        return (gather_map_torch(neighbor_map, block_sizes) if block_sizes else None,
+                valid_signal_torch(neighbor_map, signal_offsets) if signal_offsets else None,
                 readback[:num_flags].tolist() if num_flags else None)
     device = neighbor_map.device
     nmap = neighbor_map.contiguous()

@@ -30,10 +30,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from flexplan.kernel_configs import (GATHER_GEMM, SCHEDULE_CHUNK, dot_precision,  # noqa: E402
-                                     heuristic_config, runtime_is_hip)
+from flexplan.kernel_configs import heuristic_config, runtime_is_hip  # noqa: E402
 from flexplan.kernels_src.conv_gather_gemm import conv_gather_gemm_kernel  # noqa: E402
 from flexplan.kernels_src.conv_wgrad import conv_wgrad_kernel  # noqa: E402
+from flexplan.ops.sparse_conv import (dgrad_map, gather_gemm_constexprs,  # noqa: E402
+                                      wgrad_constexprs)
 from flexplan.tuning import dispatch  # noqa: E402
 from flexplan.tuning.buckets import Bucket  # noqa: E402
 from flexplan.tuning.cases import part_case, shell_workload, torch_dtype  # noqa: E402
@@ -78,14 +79,21 @@ def wgrad_splits(grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr,
                       PRECISION=PRECISION)
 
 
+def fixed_constexprs(constexprs: dict, cfg) -> dict:
+    """An op launch's constexprs less those of its config (autotune's triton.Config sets them)."""
+    return {k: v for k, v in constexprs.items() if k not in cfg.launch_kwargs()}
+
+
 def wrapper_launch(work, part, max_splits):
-    """(kernel, grid, args, consts, pre_hook, dest) of the split-count wrapper for one part,
-    mirroring the launches in ops.sparse_conv. The masked schedule depends on BLOCK_M: the
-    pre-hook copies that block size's schedule into the buffers the kernel reads (a few KB)."""
+    """(kernel, grid, args, consts, pre_hook, dest) of the split-count wrapper for one part: the
+    case's algorithm, map and constexprs as ops.sparse_conv launches them (the same functions).
+    The masked schedule depends on BLOCK_M: the pre-hook copies that block size's schedule into
+    the buffers the kernel reads (a few KB)."""
     plan, w = work.plan, work.weight
     co, v, ci = w.shape
-    precision = dot_precision(work.dtype, runtime_is_hip())
-    algo = part_case(work, part).problem.algo
+    hip = runtime_is_hip()
+    problem = part_case(work, part).problem
+    algo, cfg = problem.algo, heuristic_config(problem.family, problem)
     if part == "wgrad":
         dest = torch.empty((max_splits, co, v, ci), dtype=torch.float32, device=w.device)
         args = (work.grad_out, work.feats, plan.valid_signal_o, plan.valid_signal_i,
@@ -94,9 +102,9 @@ def wrapper_launch(work, part, max_splits):
         def grid(meta):
             return (triton.cdiv(co, meta["BLOCK_M"]) * triton.cdiv(ci, meta["BLOCK_N"]), v,
                     meta["SPLITS"])
-        return wgrad_splits, grid, args, dict(PRECISION=precision), None, dest
-    gmap, reverse = (plan.fwd, part == "dgrad") if plan.bwd is None or part == "fwd" \
-        else (plan.bwd, False)  # as ops.sparse_conv picks them
+        consts = fixed_constexprs(wgrad_constexprs(cfg, work.dtype, hip), cfg)
+        return wgrad_splits, grid, args, consts, None, dest
+    gmap, reverse = (plan.fwd, False) if part == "fwd" else dgrad_map(plan)
     src = work.feats if part == "fwd" else work.grad_out
     w_nvk = w if part == "fwd" else w.transpose(0, 2).contiguous()
     m, k, n = gmap.num_rows, (ci if part == "fwd" else co), (co if part == "fwd" else ci)
@@ -119,8 +127,8 @@ def wrapper_launch(work, part, max_splits):
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])
-    consts = dict(MASKED=masked, REVERSE_V=reverse, HAS_BIAS=False, PRECISION=precision,
-                  CHUNK=SCHEDULE_CHUNK)
+    consts = fixed_constexprs(gather_gemm_constexprs(cfg, masked, reverse, False, work.dtype, hip),
+                              cfg)
     return gather_gemm_splits, grid, args, consts, hook, dest
 
 

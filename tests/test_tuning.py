@@ -1,7 +1,11 @@
 """Tuned tables: buckets, file round trip, lookup, rejection of foreign / corrupt tables,
-heuristic fallback, run-time tuning modes, the AOT config set. CPU only: the GPU is faked
-(device index and key), benchmarks are fake timers."""
+heuristic fallback, run-time tuning modes and their hook, the layering of selection below the
+ops and tuning above them, the AOT config set. CPU only: the GPU is faked (device index and
+key), benchmarks are fake timers."""
+import ast
+import importlib.util
 import json
+import pathlib
 import warnings
 
 import pytest
@@ -245,6 +249,56 @@ def test_unknown_tune_mode_warns_and_stays_off(fake_gpu, monkeypatch):
     monkeypatch.setenv(dispatch.TUNE_ENV, "sometimes")
     with pytest.warns(RuntimeWarning, match="sometimes"):
         assert dispatch.select_config(GATHER_GEMM, FWD) == _heuristic(FWD)
+
+
+def test_a_missing_bucket_goes_to_the_tuning_hook_when_tuning_is_on(fake_gpu, monkeypatch):
+    # flexplan/tuning/__init__.py installs the run-time tuner: importing dispatch ran it.
+    assert dispatch._tuning_hook is online.tune_missing
+    asked = []
+    previous = dispatch.set_tuning_hook(lambda *args: asked.append(args) or TUNED)
+    try:
+        assert dispatch.select_config(GATHER_GEMM, FWD) == _heuristic(FWD) and asked == []
+        monkeypatch.setenv(dispatch.TUNE_ENV, "ondemand")  # read on each miss, not at import
+        dispatch.reset()
+        assert dispatch.select_config(GATHER_GEMM, FWD) == TUNED
+        assert asked == [(0, Bucket.of(FWD), "ondemand")]
+        dispatch.set_tuning_hook(None)  # no tuner installed: the heuristic, nothing raised
+        dispatch.reset()
+        assert dispatch.select_config(GATHER_GEMM, FWD) == _heuristic(FWD)
+    finally:
+        dispatch.set_tuning_hook(previous)
+
+
+# ------------------------------------------------------------------ layering
+
+SELECTION = ("dispatch", "table", "buckets", "device", "aot")
+ABOVE_OPS = ("flexplan.ops", "flexplan.nn", "flexplan.tuning.online", "flexplan.tuning.tuner",
+             "flexplan.tuning.cases", "flexplan.tuning.cli")
+
+
+def _imports(module: str) -> set:
+    """Every module (or module.name) `module` imports, inside functions too."""
+    tree = ast.parse(pathlib.Path(importlib.util.find_spec(module).origin).read_text())
+    package, found = module.rpartition(".")[0], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize("name", SELECTION)
+def test_selection_imports_neither_the_ops_nor_the_tuner(name):
+    assert not {m for m in _imports(f"flexplan.tuning.{name}") if m.startswith(ABOVE_OPS)}
+
+
+def test_ops_import_only_the_selection_modules_of_tuning():
+    """Not the package either: its __init__ wires in the run-time tuner, which runs the ops."""
+    tuning = {m for m in _imports("flexplan.ops.sparse_conv") if m.startswith("flexplan.tuning")}
+    assert tuning and all(m.split(".")[2:3] and m.split(".")[2] in SELECTION for m in tuning)
 
 
 # ------------------------------------------------------------------ AOT config set

@@ -30,7 +30,9 @@ from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
 from ..kernels_src.conv_wgrad import conv_wgrad_kernel
 from ..launcher import cdiv, launch
 from ..plan import MISSING, ConvPlan, GatherMap
-from ..tuning import select_config
+# From dispatch, not the flexplan.tuning package: that package also wires in the run-time
+# tuner, which sits above the ops (it times gather_gemm and wgrad below).
+from ..tuning.dispatch import select_config
 
 AUTO = "auto"
 
@@ -41,7 +43,7 @@ def _dtype_name(dtype: torch.dtype, allow_tf32: bool) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _resolve_algo(algo: str, part: str, n: int, ci: int, co: int, v: int, dtype: str) -> str:
+def resolve_algo(algo: str, part: str, n: int, ci: int, co: int, v: int, dtype: str) -> str:
     if algo != AUTO:
         return algo
     return choose_algo(part, n, ci, co, v, config_dtype(dtype, runtime_is_hip()))
@@ -73,9 +75,17 @@ def wgrad_constexprs(cfg: KernelConfig, dtype: str, hip: bool) -> dict:
 
 
 # ---------------------------------------------------------------- gather-GEMM (fwd, dgrad)
+# The per-part launchers (gather_gemm, wgrad, with resolve_algo and dgrad_map) are public: the
+# tuner (flexplan/tuning/cases.py) times exactly what a call runs, config from select_config.
 
-def _gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, algo: str,
-                 allow_tf32: bool) -> torch.Tensor:
+def dgrad_map(plan: ConvPlan) -> tuple[GatherMap, bool]:
+    """(map, reverse) of grad-input: submanifold, the forward map with offsets reversed; else
+    the plan's backward map."""
+    return (plan.fwd, True) if plan.bwd is None else (plan.bwd, False)
+
+
+def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, algo: str,
+                allow_tf32: bool) -> torch.Tensor:
     """out[m] = sum_v src[map[m, v]] @ W_v; W_v = W[:, v, :]^T (fwd) or W[:, v', :] (dgrad)."""
     co, v, ci = weight.shape
     m = gmap.num_rows
@@ -168,7 +178,7 @@ def _explicit_gather_gemm(src, weight, bias, nmap, reverse, part):
 
 # ---------------------------------------------------------------- grad-weight
 
-def _wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bool):
+def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bool):
     co, v, ci = weight_shape
     pairs = plan.num_pairs
     if algo == "explicit" or pairs == 0:
@@ -202,15 +212,19 @@ def _explicit_wgrad(grad_out, src, plan: ConvPlan, weight_shape):
     return grad_w.to(src.dtype).reshape(co, v, ci)
 
 
+# The launchers' former names, still used by scripts/.
+_resolve_algo, _gather_gemm, _wgrad = resolve_algo, gather_gemm, wgrad
+
+
 # ---------------------------------------------------------------- autograd
 
 class SparseConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, feats, weight, bias, plan: ConvPlan, algo: str, allow_tf32: bool):
         co, v, ci = weight.shape
-        fwd_algo = _resolve_algo(algo, "fwd", plan.num_out, ci, co, v,
-                                 _dtype_name(feats.dtype, allow_tf32))
-        out = _gather_gemm(feats, weight, bias, plan.fwd, False, "fwd", fwd_algo, allow_tf32)
+        fwd_algo = resolve_algo(algo, "fwd", plan.num_out, ci, co, v,
+                                _dtype_name(feats.dtype, allow_tf32))
+        out = gather_gemm(feats, weight, bias, plan.fwd, False, "fwd", fwd_algo, allow_tf32)
         ctx.save_for_backward(feats, weight)
         ctx.plan, ctx.algo, ctx.allow_tf32, ctx.has_bias = plan, algo, allow_tf32, bias is not None
         return out
@@ -228,14 +242,13 @@ class SparseConvFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_feats = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            # Submanifold: the forward map with offsets reversed; else the plan's backward map.
-            gmap, reverse = (plan.fwd, True) if plan.bwd is None else (plan.bwd, False)
-            part_algo = _resolve_algo(algo, "dgrad", plan.num_in, ci, co, v, dtype)
-            grad_feats = _gather_gemm(grad_out, weight, None, gmap, reverse, "dgrad", part_algo,
-                                      allow_tf32)
+            gmap, reverse = dgrad_map(plan)
+            part_algo = resolve_algo(algo, "dgrad", plan.num_in, ci, co, v, dtype)
+            grad_feats = gather_gemm(grad_out, weight, None, gmap, reverse, "dgrad", part_algo,
+                                     allow_tf32)
         if ctx.needs_input_grad[1]:
-            part_algo = _resolve_algo(algo, "wgrad", plan.num_pairs, ci, co, v, dtype)
-            grad_weight = _wgrad(grad_out, feats, plan, weight.shape, part_algo, allow_tf32)
+            part_algo = resolve_algo(algo, "wgrad", plan.num_pairs, ci, co, v, dtype)
+            grad_weight = wgrad(grad_out, feats, plan, weight.shape, part_algo, allow_tf32)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.sum(0, dtype=torch.float64 if feats.dtype == torch.float64
                                      else torch.float32).to(feats.dtype)

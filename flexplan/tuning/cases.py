@@ -15,7 +15,7 @@ import torch
 from ..geometry import ConvGeometry
 from ..kernel_configs import Problem
 # The ops' per-part launchers: the code a real call runs, config chosen by select_config.
-from ..ops.sparse_conv import _gather_gemm, _resolve_algo, _wgrad
+from ..ops.sparse_conv import dgrad_map, gather_gemm, resolve_algo, wgrad
 from ..planner import build_plan
 from ..workloads import sphere_shell
 
@@ -69,20 +69,19 @@ def part_case(work: Workload, part: str, algo: str = "auto") -> "Case":
         n = plan.num_pairs
     else:
         raise ValueError(f"unknown part {part!r}")
-    algo = _resolve_algo(algo, part, n, ci, co, v, work.dtype)
+    algo = resolve_algo(algo, part, n, ci, co, v, work.dtype)
     problem = Problem(n, ci, co, v, work.dtype, algo, part)
     if part == "fwd":
         def run():
-            return _gather_gemm(work.feats, w, None, plan.fwd, False, "fwd", algo, allow_tf32)
+            return gather_gemm(work.feats, w, None, plan.fwd, False, "fwd", algo, allow_tf32)
     elif part == "dgrad":
-        gmap, reverse = (plan.fwd, True) if plan.bwd is None else (plan.bwd, False)
+        gmap, reverse = dgrad_map(plan)
 
         def run():
-            return _gather_gemm(work.grad_out, w, None, gmap, reverse, "dgrad", algo,
-                                        allow_tf32)
+            return gather_gemm(work.grad_out, w, None, gmap, reverse, "dgrad", algo, allow_tf32)
     else:
         def run():
-            return _wgrad(work.grad_out, work.feats, plan, w.shape, algo, allow_tf32)
+            return wgrad(work.grad_out, work.feats, plan, w.shape, algo, allow_tf32)
     return Case(problem, run)
 
 

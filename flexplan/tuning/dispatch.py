@@ -8,6 +8,11 @@ FLEXPLAN_TUNE: "off" (default): never benchmark at run time.
                              pause of seconds, exact timings).
 Tables are read once per device and process; a call seen before is one dict get, a new one a
 bucket computation plus a dict get (plus the heuristic's few arithmetic steps on a miss).
+
+Selection sits below the ops (they call select_config); run-time tuning sits above them (it
+times the ops' launches, cases.py). So this module never imports the tuner: a missing bucket
+goes to the hook set with set_tuning_hook, which flexplan/tuning/__init__.py installs (Python
+runs it before any module of the package, so the hook is there whenever dispatch is).
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import os
 import threading
 import warnings
 from contextlib import contextmanager
+from typing import Callable
 
 from ..kernel_configs import KernelConfig, Problem, heuristic_config
 from . import table as _table
@@ -35,6 +41,10 @@ _answers: dict = {}  # (family, Problem, device index) -> KernelConfig
 _MAX_ANSWERS = 4096
 _generation = 0
 _warned: set = set()  # one warning per unusable table file
+# fn(device index, bucket, mode) -> KernelConfig now, or None (heuristic meanwhile); None: no
+# run-time tuner installed.
+TuningHook = Callable[[int, Bucket, str], KernelConfig | None]
+_tuning_hook: TuningHook | None = None
 
 
 @contextmanager
@@ -85,16 +95,19 @@ def _resolve(index, bucket: Bucket):
     return config
 
 
+def set_tuning_hook(hook: TuningHook | None) -> TuningHook | None:
+    """Install the run-time tuner asked for buckets the tables miss while FLEXPLAN_TUNE is not
+    "off" (mode "ondemand" or "background"); returns the previous hook."""
+    global _tuning_hook
+    previous, _tuning_hook = _tuning_hook, hook
+    return previous
+
+
 def _tune_missing(index: int, bucket: Bucket) -> KernelConfig | None:
     mode = tune_mode()
-    if mode == "off":
+    if mode == "off" or _tuning_hook is None:
         return None
-    from . import online
-
-    if mode == "ondemand":
-        return online.tune_now(index, bucket)
-    online.tune_in_background(index, bucket)
-    return None
+    return _tuning_hook(index, bucket, mode)
 
 
 def tune_mode() -> str:

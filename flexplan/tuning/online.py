@@ -2,7 +2,8 @@
 
 The bucket is tuned on a synthetic sphere-shell case of its representative size, the result
 is merged into this GPU's user table (so the next process finds it) and made visible to the
-running one.
+running one. dispatch reaches this module only through its tuning hook (tune_missing,
+installed by the package's __init__): the tuner runs the ops, which sit above dispatch.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import warnings
 import torch
 
 from ..kernel_configs import KernelConfig
+from . import dispatch
 from .buckets import Bucket
 
 _failed: set = set()    # buckets that could not be tuned: not retried in this process
@@ -21,6 +23,15 @@ _pending: set = set()   # buckets queued for the worker
 _queue: "queue.Queue[tuple[int, Bucket]]" = queue.Queue()
 _worker: threading.Thread | None = None
 _worker_lock = threading.Lock()
+
+
+def tune_missing(index: int, bucket: Bucket, mode: str) -> KernelConfig | None:
+    """dispatch's tuning hook: "ondemand" tunes now, "background" queues the bucket (None: the
+    heuristic meanwhile)."""
+    if mode == "ondemand":
+        return tune_now(index, bucket)
+    tune_in_background(index, bucket)
+    return None
 
 
 def tune_now(index: int, bucket: Bucket) -> KernelConfig | None:
@@ -74,10 +85,11 @@ def _on_side_stream(index: int):
 
 
 def _tune(index: int, bucket: Bucket) -> KernelConfig | None:
-    from . import dispatch
+    # Imported on first use: the package's __init__ imports this module, and the tuner's
+    # cases pull in the ops and the planner, which a process that never tunes need not load.
     from .cases import case_for
-    from .table import TuningTable, merge_into, user_table_path
     from .device import device_key
+    from .table import TuningTable, merge_into, user_table_path
     from .tuner import tune_cases
 
     case = case_for(bucket.representative(), torch.device("cuda", index))

@@ -134,6 +134,7 @@ def build_levels(sp_fx, args, device) -> tuple[dict, int, object]:
     """Level 1 = one lidar_batch; levels 2..4 and the head's output (5) from flexplan strided
     convs of the encoder's geometry. Returns {level: Level}, the batch size and the grid."""
     from flexplan.workloads import SMALL_GRID, WAYMO_GRID, lidar_batch
+    from flexplan import tensor_plan
 
     if args.small:  # ~100 voxels: minutes through the interpreter
         grid, scan = SMALL_GRID, dict(beams=2, azimuth_steps=32, max_range=24.0, num_boxes=8,
@@ -370,7 +371,7 @@ def run_row(ctx: Context, spec: LayerSpec, index: int, dtype_name: str, state: d
     fx_in = level.fx.replace_feature(feats)
     fx_feats_g = feats.clone().requires_grad_()
     fx_in_g = level.fx.replace_feature(fx_feats_g)
-    plan = fx_in.get_plan(fx.geometry, training=True)
+    plan = tensor_plan(fx_in, fx.geometry, training=True)
     row["n_out"], row["pairs"] = int(plan.num_out), int(plan.num_pairs)
     row["fx_algos"] = fx_algos(spec, plan, "tf32" if tf32 else str(dtype).removeprefix("torch."))
     grad = torch.randn(row["n_out"], spec.co, device=device, generator=gen).to(dtype)

@@ -15,7 +15,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
 
-from flexplan import SparseTensor  # noqa: E402
+from flexplan import SparseTensor, tensor_plan  # noqa: E402
 from flexplan.nn import SubMConv3d  # noqa: E402
 from flexplan.plan import MISSING  # noqa: E402
 from flexplan.workloads import sphere_shell  # noqa: E402
@@ -87,7 +87,7 @@ def timings(resolution, channels):
     feats = torch.randn(coords.shape[0], channels, device="cuda", dtype=torch.float16)
     t0 = time.perf_counter()
     x = SparseTensor(feats, coords, (resolution,) * 3)
-    x.get_plan(SubMConv3d(channels, channels, 3).geometry)
+    tensor_plan(x, SubMConv3d(channels, channels, 3).geometry)
     torch.cuda.synchronize()
     plan_ms = (time.perf_counter() - t0) * 1e3
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ import torch
 
 import flexplan.nn.spconv as sp
 import flexplan.ops  # noqa: F401
-from flexplan import ConvGeometry, build_plan
+from flexplan import ConvGeometry, build_plan, tensor_plan
 from flexplan.workloads import lidar_batch
 
 ops = sys.modules["flexplan.ops.sparse_conv"]
@@ -46,8 +46,8 @@ def main():
 
     def layer_path():
         x = sp.SparseConvTensor(feats, coords, list(shape), 2)
-        x.get_plan(subm)
-    print(f"SparseConvTensor + get_plan (subm, fresh tensor, same coords: memo + memory hit): "
+        tensor_plan(x, subm)
+    print(f"SparseConvTensor + tensor_plan (subm, fresh tensor, same coords: memo + memory hit): "
           f"{host_ms(layer_path):.3f} ms")
     print(f"SparseConvTensor alone: {host_ms(lambda: sp.SparseConvTensor(feats, coords, list(shape), 2)):.3f} ms")
     plan = build_plan(coords, shape, 2, subm)

@@ -14,7 +14,7 @@ from triton.testing import do_bench
 
 import flexplan.nn.spconv as sp
 import flexplan.ops  # noqa: F401
-from flexplan import ConvGeometry
+from flexplan import ConvGeometry, tensor_plan
 from flexplan.kernel_configs import GATHER_GEMM, WGRAD, Problem, config_dtype
 from flexplan.tuning import select_config
 from flexplan.tuning.dispatch import forced_config
@@ -38,7 +38,7 @@ def main():
     p.add_argument("--dtypes", default="float32,tf32,float16")
     args = p.parse_args()
     x = level_tensor(args.level)
-    plan = x.get_plan(ConvGeometry.make(3))
+    plan = tensor_plan(x, ConvGeometry.make(3))
     c = args.channels
     n = plan.num_in
     print(f"level {args.level}: {n} voxels, {plan.num_pairs} pairs, C={c}")

@@ -1,7 +1,7 @@
 """Where a fresh-coordinate step waits for the GPU: every host sync torch reports
 (torch.cuda.set_sync_debug_mode) during flexplan train / inference steps of the bench_e2e
 networks (fp16, a new LiDAR batch every step), grouped by the flexplan line that caused it;
-then the host's wall time per step inside plan lookups and builds (SparseTensor.get_plan) and
+then the host's wall time per step inside plan lookups and builds (plan_provider.tensor_plan) and
 inside convolutions (ops.sparse_conv.sparse_conv, forward; backward runs in autograd).
 
 Usage (GPU): python3 scripts/probe_syncs.py [--steps 3]
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-syncs-"))
 
 import flexplan.nn.spconv as sp  # noqa: E402
-import flexplan.sparse_tensor as sparse_tensor  # noqa: E402
+import flexplan.plan_provider as plan_provider  # noqa: E402
 from e2e_networks import LidarUNet, VoxelResBackBone8x  # noqa: E402
 from profile_host import step_fn  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
@@ -121,13 +121,16 @@ def time_parts(step, batches) -> dict:
         return wrapper
 
     # (flexplan.ops re-exports the function under its module's name: fetch the module itself)
-    real_plan = sparse_tensor.SparseTensor.get_plan
+    real_plan = plan_provider.tensor_plan
     real_conv = importlib.import_module("flexplan.ops.sparse_conv").sparse_conv
-    sparse_tensor.SparseTensor.get_plan = timing("get_plan", real_plan)
     modules = [m for m in list(sys.modules.values())
                if getattr(m, "sparse_conv", None) is real_conv]
+    plan_users = [m for m in list(sys.modules.values())
+                  if getattr(m, "tensor_plan", None) is real_plan]
     for m in modules:
         m.sparse_conv = timing("sparse_conv", real_conv)
+    for m in plan_users:  # the layers' own name for it (and plan_provider's)
+        m.tensor_plan = timing("get_plan", real_plan)
     steps = []
     try:
         for b in batches:
@@ -136,7 +139,8 @@ def time_parts(step, batches) -> dict:
             torch.cuda.synchronize()
             steps.append(time.perf_counter() - start)
     finally:
-        sparse_tensor.SparseTensor.get_plan = real_plan
+        for m in plan_users:
+            m.tensor_plan = real_plan
         for m in modules:
             m.sparse_conv = real_conv
     steps.sort()

@@ -1,5 +1,5 @@
 """Host cost of planning fresh coordinates, the way a layer asks for plans: SparseConvTensor
-creation (coordinate check and hash), then get_plan for a 3x3x3 submanifold and a stride-2
+creation (coordinate check and hash), then tensor_plan for a 3x3x3 submanifold and a stride-2
 plan (inference or training kinds), each on new LiDAR coordinates; median host ms per call
 and a cProfile of the calls (where the Python and the launches go).
 
@@ -20,7 +20,7 @@ import torch
 os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-plans-"))
 
 import flexplan.nn.spconv as sp  # noqa: E402
-from flexplan import ConvGeometry  # noqa: E402
+from flexplan import ConvGeometry, tensor_plan  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
 
 SUBM = ConvGeometry.make(3)
@@ -42,9 +42,9 @@ def main():
         t0 = time.perf_counter()
         x = sp.SparseConvTensor(batch.features, batch.indices, list(batch.spatial_shape), 2)
         t1 = time.perf_counter()
-        x.get_plan(SUBM, training=args.training)
+        tensor_plan(x, SUBM, training=args.training)
         t2 = time.perf_counter()
-        x.get_plan(DOWN, training=args.training)
+        tensor_plan(x, DOWN, training=args.training)
         t3 = time.perf_counter()
         if record:
             for name, took in zip(times, (t1 - t0, t2 - t1, t3 - t2)):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flexplan.cache.disk as disk_module
-from flexplan import ConvGeometry, SparseTensor, build_plan
+from flexplan import ConvGeometry, SparseTensor, build_plan, tensor_plan
 from flexplan.cache import PlanCache, cli
 from flexplan.cache.format import write_plan
 from flexplan.cache.key import IDENTITY_FIELD
@@ -75,7 +75,7 @@ def test_sparse_tensor_uses_the_cache(tmp_path, monkeypatch):
     before = plan_cache.stats().get("builds", 0)
     for _ in range(2):  # two tensors over the same coords: one build
         st = SparseTensor(torch.randn(coords.shape[0], 2), coords, SHAPE, 2)
-        assert_same_plan(st.get_plan(GEOM), build_plan(coords, SHAPE, 2, GEOM))
+        assert_same_plan(tensor_plan(st, GEOM), build_plan(coords, SHAPE, 2, GEOM))
     assert plan_cache.stats()["builds"] == before + 1
     assert len(list((tmp_path / "plans").glob("*.fxplan"))) == 1
 

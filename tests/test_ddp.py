@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import ddp_train  # noqa: E402
 
-from flexplan import ConvGeometry, build_plan  # noqa: E402
+from flexplan import ConvGeometry, build_plan, tensor_plan  # noqa: E402
 from flexplan.ops import sparse_conv  # noqa: E402
 from flexplan.workloads import random_coords  # noqa: E402
 
@@ -96,7 +96,7 @@ def test_a_plan_of_one_gpu_is_never_used_on_the_other():
                                     coords.to(device), (30, 30, 30), 1)
         y = conv.to(device)(x)
         assert y.features.device == device
-        assert x.get_plan(ConvGeometry.submanifold_conv(3), training=False).device == device
+        assert tensor_plan(x, ConvGeometry.submanifold_conv(3), training=False).device == device
 
 
 @pytest.mark.gpu

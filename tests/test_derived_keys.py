@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import flexplan.nn.spconv as spconv
-from flexplan import ConvGeometry
+from flexplan import ConvGeometry, tensor_plan
 import flexplan.coords_hash as coords_hash
+import flexplan.coords_check as coords_check
 import flexplan.sparse_tensor as sparse_tensor
 from flexplan.cache import key as key_module
 from flexplan.cache import plan_cache
@@ -28,7 +29,7 @@ def _count_digests(monkeypatch) -> list:
         return real(coords, *args, **kwargs)
 
     monkeypatch.setattr(coords_hash, "digest_lanes", counting)
-    monkeypatch.setattr(sparse_tensor, "digest_lanes", counting)
+    monkeypatch.setattr(coords_check, "digest_lanes", counting)
     return calls
 
 
@@ -91,8 +92,8 @@ def test_derived_plans_equal_hashed_plans(device):
         torch.testing.assert_close(derived.features, fresh.features, rtol=0, atol=0)
         geom = ConvGeometry.submanifold_conv(3)
         assert mid.coords_identity() != _input(mid.indices.clone()).coords_identity()
-        assert torch.equal(mid.get_plan(geom).fwd.neighbor_map,
-                           _input(mid.indices.clone()).get_plan(geom).fwd.neighbor_map)
+        assert torch.equal(tensor_plan(mid, geom).fwd.neighbor_map,
+                           tensor_plan(_input(mid.indices.clone()), geom).fwd.neighbor_map)
     finally:
         plan_cache.configure(mode="auto")
 

@@ -16,7 +16,7 @@ import torch
 from .. import paths
 from ..geometry import ConvGeometry, triple
 from ..plan import ConvPlan
-from ..sparse_tensor import SparseTensorError, check_coords
+from ..coords_check import SparseTensorError, check_coords
 from .admission import SeenKeys
 from .disk import DiskCache
 from ..coords_hash import coords_identity

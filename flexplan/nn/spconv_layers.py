@@ -19,6 +19,7 @@ from ..geometry import ConvGeometry, triple
 from ..kernel_configs import ALGORITHMS
 from ..cache.key import derived_identity
 from ..ops.sparse_conv import sparse_conv
+from ..plan_provider import tensor_plan
 from ..sparse_tensor import Plans
 from .sparse_conv_tensor import IndiceData, SparseConvTensor
 from .submconv import SubMConv3d as _SubMConv3d
@@ -134,7 +135,7 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
                                  f"indice_key {self.indice_key!r}")
             plan, plans, indice_dict = data.inverse_plan, data.in_plans, x.indice_dict
         else:
-            plan = x.get_plan(self.geometry, training=torch.is_grad_enabled())
+            plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled())
             # The output coords are named from the input's: never hashed.
             plans = Plans(derived_identity(x.coords_identity(), x.spatial_shape, x.batch_size,
                                            self.geometry))
@@ -202,5 +203,5 @@ class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
             return out                  # 1x1 path ignores it too, and may share a 3x3x3 conv's)
         out.indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
             x.indices, x.indices, x.spatial_shape, x.spatial_shape, is_subm=True,
-            plan=x.get_plan(self.geometry, training=torch.is_grad_enabled()), in_plans=x._plans))
+            plan=tensor_plan(x, self.geometry, training=torch.is_grad_enabled()), in_plans=x._plans))
         return out

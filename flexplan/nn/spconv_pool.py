@@ -13,6 +13,7 @@ import torch
 from ..cache.key import derived_identity
 from ..geometry import ConvGeometry
 from ..ops.sparse_pool import global_pool, sparse_pool
+from ..plan_provider import tensor_plan
 from ..sparse_tensor import Plans
 from .sparse_conv_tensor import IndiceData, SparseConvTensor
 from .spconv_layers import SparseModule, _record
@@ -51,7 +52,7 @@ class SparsePool(SparseModule):
 
     def forward(self, x: SparseConvTensor) -> SparseConvTensor:
         _check_input(self, x)
-        plan = x.get_plan(self.geometry, training=torch.is_grad_enabled())  # as the convs ask
+        plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled())  # as the convs ask
         if self.subm:
             plans, indice_dict = x._plans, x.indice_dict
         else:  # the output coords are named from the input's: never hashed

@@ -7,14 +7,16 @@ import torch
 
 from ..geometry import ConvGeometry
 from ..ops.sparse_conv import sparse_conv
+from ..plan_provider import tensor_plan
 from ..sparse_tensor import SparseTensor
 
 
 class SubMConv3d(torch.nn.Module):
     """Output voxels = input voxels; out[i] = bias + sum_v W_v @ x[i + offset_v].
 
-    weight: Parameter [Co, Kx, Ky, Kz, Ci]. The plan comes from x.get_plan(geometry), so all
-    layers over the same coordinates and geometry share one plan (built or cached once).
+    weight: Parameter [Co, Kx, Ky, Kz, Ci]. The plan comes from plan_provider.tensor_plan(x,
+    geometry), so all layers over the same coordinates and geometry share one plan (built or
+    cached once).
     algo: "auto" or one of flexplan.kernel_configs.ALGORITHMS; allow_tf32: float32 via plain
     TF32 (default: fp32-grade 3xTF32; None follows torch.backends.cudnn.allow_tf32).
     """
@@ -51,7 +53,7 @@ class SubMConv3d(torch.nn.Module):
             weight = self.weight.reshape(self.out_channels, self.in_channels)
             return x.replace_feats(torch.nn.functional.linear(x.feats, weight, self.bias))
         # Under no_grad / inference_mode nothing will be differentiated: an inference plan.
-        plan = x.get_plan(self.geometry, training=torch.is_grad_enabled())
+        plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled())
         feats = sparse_conv(x.feats, plan, self.weight, self.bias, self.algo, self.allow_tf32)
         return x.replace_feats(feats)
 

@@ -9,7 +9,7 @@ from ..device_guard import on_device_of
 from ..geometry import ConvGeometry, triple
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..plan import ConvPlan, mirrored_signal_offsets, signal_fields
-from ..sparse_tensor import check_coords, check_coords_layout, raise_coords_problems
+from ..coords_check import check_coords, check_coords_layout, raise_coords_problems
 from .generative import generative_plan, output_spatial_shape
 from .generative_triton import generative_plan_triton
 from .hashmap import PROBLEM_SLOTS, problem_rows, submanifold_neighbor_map_triton

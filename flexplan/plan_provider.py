@@ -1,0 +1,27 @@
+"""The plan of a layer over a tensor: what layers ask, so that tensors stay passive values.
+
+    tensor's Plans (memo shared by every tensor over the same coordinates)
+      -> cache.cached_plan (memory, disk, or planner.build_plan)
+
+as torchsparse's functional conv owns its kernel-map cache. The coordinates' identity (hashed
+once per user tensor, derived for a strided layer's output) names them for the cache.
+"""
+from __future__ import annotations
+
+from .cache import cached_plan
+from .geometry import ConvGeometry
+from .plan import ConvPlan
+
+
+def tensor_plan(x, geometry: ConvGeometry, training: bool = True) -> ConvPlan:
+    """The plan of `geometry` over the coordinates of x (a SparseTensor): from its Plans, else
+    built (or found in the plan cache) once and kept there. training=False accepts an inference
+    plan (ConvPlan.for_training), cheaper to build; a training plan serves both, and replaces
+    an inference plan when training asks."""
+    plans = x._plans
+    plan = plans.get(geometry)
+    if plan is None or not plan.serves(training):
+        plan = cached_plan(x.coords, x.spatial_shape, x.batch_size, geometry, check=False,
+                           identity=x.coords_identity(), training=training)
+        plans[geometry] = plan
+    return plan

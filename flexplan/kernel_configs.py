@@ -16,9 +16,9 @@ PLAN_BLOCK_SIZES = (16, 32, 64, 128)
 # row block size of a kernel config divides it.
 SCHEDULE_CHUNK = max(PLAN_BLOCK_SIZES)
 # Maps of fewer rows run their chunks in the Gray order itself (GatherMap.chunk_order then
-# costs no launch): the spatial chunk order pays in L2 reuse on big maps (the gather GEMMs
-# 5-22% faster at 1.3M-5.3M rows, bench_submconv), not at LiDAR sizes (17k-114k rows: equal or
-# slower, scripts/results/chunk_order.md), where a step with new coordinates is host-bound.
+# costs no launch): the spatial chunk order pays in L2 reuse on big maps (scripts/bench_submconv.py;
+# scripts/results/design_measurements.md), not at LiDAR sizes (scripts/results/chunk_order.md),
+# where a step with new coordinates is host-bound.
 CHUNK_ORDER_MIN_ROWS = 1 << 18
 
 # Kernel families: the gather-GEMM (forward and grad-input) and grad-weight over pairs.
@@ -36,18 +36,19 @@ SPLITK_WORKSPACE_BYTES = 256 << 20
 # The explicit algorithm gathers [rows, V * K] blocks (im2col) of at most this size at a time.
 EXPLICIT_WORKSPACE_BYTES = 128 << 20
 # From this many reduced and output channels on, 16-bit forward / grad-input run faster as
-# im2col + the vendor GEMM than as a gather-GEMM kernel (H100 sweeps: 1.3-1.7x at C = 1024,
-# slower at C = 512): the GEMM dominates and the gather costs little next to it.
+# im2col + the vendor GEMM than as a gather-GEMM kernel (faster at C = 1024, slower at C = 512;
+# measurements: scripts/results/design_measurements.md): the GEMM dominates and the gather
+# costs little next to it.
 EXPLICIT_MIN_CHANNELS = 768
-# The offset-major im2col kernel's tile: rows x channels per step (H100, 27 x 1024 fp16:
-# 16 x 256 to 64 x 128 and 8 x 1024 all within 3%).
+# The offset-major im2col kernel's tile: rows x channels per step (the tiles swept performed
+# alike; (measurements: scripts/results/design_measurements.md)).
 IM2COL_BLOCK_M, IM2COL_BLOCK_K = 16, 256
 
 
 def im2col_channel_major_blocks(volume: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_K, V_PAD) of the channel-major im2col kernel: 32 channels of every
-    offset, as many rows as fill 4096 elements (H100, 27 x 1024 fp16: 4 x 32 the fastest of six
-    tiles tried, 2 x 128 7% slower, 16 x 32 39% slower)."""
+    offset, as many rows as fill 4096 elements (4 x 32 the fastest of six tiles tried;
+    measurements: scripts/results/design_measurements.md)."""
     v_pad = 1 << (volume - 1).bit_length()
     return max(1, 4096 // (32 * v_pad)), 32, v_pad
 
@@ -269,9 +270,10 @@ def heuristic_config(family: str, problem: Problem, shared_memory: int | None = 
     """A reasonable config without tuning (the tuned tables, where present, override it), for a
     GPU with `shared_memory` bytes per program (default: the current GPU's).
 
-    From an H100 sweep (scripts/sweep_submconv_configs.py, 2026-11-22): 128-row tiles (64 for
-    <= 32 output channels), 256 output channels per tile from N = 256 up, BLOCK_K 64 for 16-bit
-    and 32 for fp32 (TF32), three tiles in flight where shared memory holds them (2026-11-23);
+    From a sweep (scripts/sweep_submconv_configs.py; scripts/results/design_measurements.md):
+    128-row tiles (64 for <= 32 output channels), 256 output channels per tile from N = 256 up,
+    BLOCK_K 64 for 16-bit and 32 for fp32 (TF32), three tiles in flight where shared memory
+    holds them;
     grad-weight wants many programs (~16 per SM, split over pairs) and long pair chunks when
     channels are few.
     """
@@ -309,7 +311,7 @@ def heuristic_config(family: str, problem: Problem, shared_memory: int | None = 
 def choose_algo(part: str, n: int, ci: int, co: int, v: int, dtype: str) -> str:
     """What algo="auto" runs. 16-bit forward / grad-input with wide channels on both sides:
     explicit (im2col + vendor GEMM). Otherwise masked implicit GEMM (with the sorted, transposed
-    map it beats plain implicit at every width the H100 sweep tried, 32 to 512 channels), split
+    map it beats plain implicit at every width swept, 32 to 512 channels), split
     over K when the output tiles alone cannot fill the GPU (few rows, or grad-weight's small
     [Co, Ci] per offset)."""
     if part != "wgrad" and dtype in ("float16", "bfloat16") and min(ci, co) >= EXPLICIT_MIN_CHANNELS:

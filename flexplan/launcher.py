@@ -8,15 +8,14 @@ TRITON_INTERPRET=1 kernels are interpreter functions: launched as is.
 
 Repeated calls skip the resolution: a call whose arguments fall in a class seen before goes
 straight to the binary that served that class, without Triton's binder and cache lookup (which
-the direct launcher reuses too). A Triton launch costs 20-55 us of host time on the H100
-machines, more than many planner kernels run; gray_rank in a tight loop (2026-11-24): 28.7 us
-through kernel[grid], 13.8 us here, of which the key is 2.2 and Triton's launcher 6.9 (4.9 in
-its C part, which Triton 3.6 repeat calls reach directly). The class refines Triton's
-specialization (dtype and 16-byte alignment of each tensor; whether an int is 1, a multiple of
-16, and its integer width; the constexprs), so two calls of one class always take the same
-binary; and like Triton it leaves out what a kernel's decorator says not to specialize
-(do_not_specialize: sizes and places that change from call to call), read from the kernel
-itself (arg_specialization), so a new size is never a new class.
+the direct launcher reuses too). A Triton launch costs more host time than many planner kernels
+run; this path roughly halves it, most of what is left being Triton's launcher, whose C part
+Triton 3.6 repeat calls reach directly (measurements: scripts/results/design_measurements.md).
+The class refines Triton's specialization (dtype and 16-byte alignment of each tensor; whether
+an int is 1, a multiple of 16, and its integer width; the constexprs), so two calls of one class
+always take the same binary; and like Triton it leaves out what a kernel's decorator says not to
+specialize (do_not_specialize: sizes and places that change from call to call), read from the
+kernel itself (arg_specialization), so a new size is never a new class.
 """
 from __future__ import annotations
 
@@ -157,7 +156,8 @@ def _triton_run(compiled):
     if _SCRATCH_FREE_CUDA_LAUNCHER and type(launcher).__name__ == "CudaLauncher" and not (
             launcher.global_scratch_size or launcher.profile_scratch_size):
         # Triton 3.6's C launcher, without CudaLauncher.__call__ around it (which only
-        # allocates scratch, none here): 7.9 -> 4.9 us per launch on the H100 machines.
+        # allocates scratch, none here): a cheaper launch
+        # (measurements: scripts/results/design_measurements.md).
         c_launch = launcher.launch
         fixed = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
                  None, None, compiled.packed_metadata, None, None, None)

@@ -228,11 +228,11 @@ class GatherMap:
 
         Blocks stay as the Gray order formed them, but the GPU runs chunks of nearby rows at the
         same time: rows come in spatial order from voxelization, sorted coords and strided plans
-        (torch.unique), so their neighbours are shared and stay in L2 (H100 gather-GEMM 5-22%
-        faster at R = 512-1024, C = 32-128, than in Gray order, which runs one mask class at a
-        time across the whole grid). Derived on first use (one launch: chunk_order_triton),
-        like sorted_map_t; maps of fewer than CHUNK_ORDER_MIN_ROWS rows keep the Gray order's
-        own chunk sequence (gray_chunk_order: no launch)."""
+        (torch.unique), so their neighbours are shared and stay in L2 (the gather-GEMM runs
+        faster on big maps than in Gray order, which runs one mask class at a time across the
+        whole grid; scripts/results/design_measurements.md). Derived on first use (one launch:
+        chunk_order_triton), like sorted_map_t; maps of fewer than CHUNK_ORDER_MIN_ROWS rows keep
+        the Gray order's own chunk sequence (gray_chunk_order: no launch)."""
         idx = self.sorted_idx
         if idx.shape[0] < CHUNK_ORDER_MIN_ROWS:  # small maps: the Gray order's own chunk order
             return gray_chunk_order(idx.shape[0], idx.device)

@@ -6,8 +6,8 @@ by chunk of CHUNK rows in GatherMap.chunk_order (chunks of nearby rows together,
 of the gathered rows). The reduction runs over (offset v,
 K-chunk) pairs, gathering the rows of src through the neighbour map on the fly (implicit GEMM:
 the [M, V*K] im2col matrix is never built). The map comes as GatherMap.sorted_map_t, [V, M] in
-that order: a block's neighbours of one offset are one contiguous load (H100: 5-38% faster
-than reading the [M, V] map row by row).
+that order: a block's neighbours of one offset are one contiguous load (faster than reading
+the [M, V] map row by row; scripts/results/design_measurements.md).
 
 Constexpr switches (each a small, enumerable set, so the AOT build can list them):
   MASKED:    each block of rows only visits the offsets its rows have (valid_kernel /
@@ -79,7 +79,7 @@ def conv_gather_gemm_kernel(
     # Masked: the offset of iteration it + 1 is loaded during iteration it. The map and weight
     # loads then depend on no load of their own iteration, so Triton's pipeliner (which divides
     # num_stages among the levels of a load chain) keeps one more tile in flight for the same
-    # num_stages: H100, C = 64-128, 7-18% faster.
+    # num_stages: faster (measurements: scripts/results/design_measurements.md).
     if MASKED:
         v_next = tl.load(valid_kernel_ptr + seg_start + it_lo // num_kc, mask=it_lo < it_hi, other=0)
     for it in range(it_lo, it_hi):

@@ -6,8 +6,8 @@ map[row_start + r, v] of src (zeros where the map entry is < 0), in one of two c
   im2col_channel_major_kernel:  column k * V + v (channel-major). Times the layer weight
                                 [Co * V, Ci] as it is stored: grad-input, which would otherwise
                                 need the weight transposed to [V * Co, Ci] (a copy of the whole
-                                weight on every backward: 79 us at 27 x 1024 x 1024 fp16 on the
-                                H100, against 9 us more for this order's gather).
+                                weight on every backward, dearer than this order's gather;
+                                scripts/results/design_measurements.md).
 
 Both read the int32 map as it is: no map widened to int64, no zero row appended to src.
 REVERSE_V: offset v reads map column V - 1 - v (submanifold grad-input).

@@ -15,8 +15,8 @@ MISSING = tl.constexpr(-1)
 @triton.jit
 def _hash_slot(key, slot_mask, KEY_64: tl.constexpr):
     """Murmur3 finalizer (fmix32 / fmix64) of the key: a slot. (Keeping z-neighbours in
-    adjacent slots made H100 lookups no faster and inserts 1.5-2x slower: runs of related
-    keys lengthen the probe chains.)"""
+    adjacent slots made lookups no faster and inserts slower: runs of related keys lengthen
+    the probe chains; measurements: scripts/results/design_measurements.md.)"""
     if KEY_64:
         h = key.to(tl.uint64, bitcast=True)
         h ^= h >> 33

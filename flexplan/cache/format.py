@@ -251,7 +251,8 @@ def plan_problem(plan: ConvPlan) -> str | None:
 
 
 # The load check's launch (kernels_src/plan_check.py): a program per BLOCK * ITERS entries of a
-# tensor. (H100: one atomic per program of 1024 entries took 4.9 ms for a 5.3M-voxel plan.)
+# tensor: long programs, since one atomic per program of 1024 entries was slow on large plans
+# (measurements: scripts/results/design_measurements.md).
 PLAN_CHECK_LAUNCH = dict(BLOCK=1024, ITERS=8, num_warps=4)
 
 

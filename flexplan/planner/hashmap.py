@@ -14,10 +14,9 @@ from ..kernels_src import hashmap as kernels
 from ..launcher import cdiv, launch
 from .keys import EMPTY_KEY, key_dtype
 
-# Tiles and warps (H100 sweeps, 2026-11-24, R = 256 / 512 / 1024 shells): small insert programs
-# end their probe loops sooner (each lane waits for the longest chain in its program): 32 rows
-# took 36 / 166 / 732 us against 43 / 206 / 1115 with 128. Lookups: 256 lanes on one warp,
-# 69 / 291 / 1252 us against 76 / 313 / 1311 with 512 on four.
+# Tiles and warps, from sweeps (measurements: scripts/results/design_measurements.md): small
+# insert programs end their probe loops sooner (each lane waits for the longest chain in its
+# program): 32 rows beat 128. Lookups: 256 lanes on one warp beat 512 on four.
 INSERT_LAUNCH = dict(BLOCK=32, num_warps=4)
 LOOKUP_LAUNCH = dict(BLOCK=256, num_warps=1)
 

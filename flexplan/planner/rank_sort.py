@@ -1,11 +1,12 @@
 """Sorting the Gray ranks of a Triton build: small builds replay a captured CUDA graph.
 
 torch.sort of the ranks issues about a dozen device operations (a copy, an index fill, memsets,
-CUB's histogram, scan and onesweep passes); their host work, about 90 us on the H100 hosts, is
-what bounds builds of a few hundred thousand rows. A graph of that sort replays them with one
-launch. Graphs sort a fixed number of keys, so each serves a bucket of row counts: the keys are
-padded to the bucket with the largest word (gray_rank_kernel writes the padding), which sorts
-after every rank; the sort is stable, so the real rows come first and in order.
+CUB's histogram, scan and onesweep passes); their host work is what bounds builds of a few
+hundred thousand rows (measurements: scripts/results/design_measurements.md). A graph of that
+sort replays them with one launch. Graphs sort a fixed number of keys, so each serves a bucket
+of row counts: the keys are padded to the bucket with the largest word (gray_rank_kernel writes
+the padding), which sorts after every rank; the sort is stable, so the real rows come first and
+in order.
 
 One captured sort per (device, stream, bucket, key dtype), captured the second time a build
 asks for it (a capture costs 1.5-2 ms) and kept until release(), within a budget of keys

@@ -23,17 +23,16 @@ from ..plan import BlockRuns, GatherMap
 from .rank_sort import TorchSort, rank_sorter
 from .segments_torch import gather_map_torch, rank_words, valid_signal_torch
 
-# Tiles and warps (H100 sweeps, 2026-11-24, R = 256 / 512 / 1024 shells). gray_rank and pairs
-# share their row blocks (pairs are counted per row block): 32 rows took pairs 31 / 120 / 466 us
-# against 37 / 151 / 595 with 128, gray_rank the same.
+# Tiles and warps, from sweeps (measurements: scripts/results/design_measurements.md). gray_rank and
+# pairs share their row blocks (pairs are counted per row block): 32 rows beat 128 for both.
 ROW_BLOCK = 32
 GRAY_RANK_LAUNCH = dict(BLOCK=ROW_BLOCK, num_warps=2)
 PAIRS_LAUNCH = dict(BLOCK=ROW_BLOCK, num_warps=2)
 # schedule_offsets_kernel: chunk tiles of ROWS sorted rows (every block size divides it), pair
-# tiles of PAIR_TILE entries, look-back windows of LOOK_BACK tiles. H100, R = 256 / 512 / 1024:
-# ROWS 512: 21.6 / 64.8 / 248 us; 1024: 27 / 81 / 316; 2048: 34 / 94 / 326 (4 warps; 1 or 2
-# warps, or a tile per (chunk, block size), were slower); windows of 128 tiles instead of 32:
-# 20.9 / 60.4 / 232 (the pair tiles' scan 43 -> 21 us at R=1024; 256 or 512: slower).
+# tiles of PAIR_TILE entries, look-back windows of LOOK_BACK tiles: ROWS 512 the fastest of
+# 512 / 1024 / 2048 on 4 warps (1 or 2 warps, or a tile per (chunk, block size), were slower);
+# windows of 128 tiles faster than 32 (the pair tiles' scan halves), 256 or 512 slower
+# (measurements: scripts/results/design_measurements.md).
 SCHEDULE_LAUNCH = dict(ROWS=512, PAIR_TILE=1024, LOOK_BACK=128, num_warps=4)
 ALIGN = kernels.ALIGN.value
 

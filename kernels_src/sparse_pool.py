@@ -40,7 +40,8 @@ def sparse_pool_fwd_kernel(feats, nmap, out, arg, count, rows, C, V: tl.constexp
         x = tl.load(feats + i.to(tl.int64)[:, None] * C + c[None, :], mask=live & has[:, None],
                     other=0.0).to(total.dtype)
         if IS_MAX:
-            better = has[:, None] & ((x > best) | (best_i < 0))
+            # a NaN wins and stays (NaN > x is false), as torch's max propagates it
+            better = has[:, None] & ((x > best) | (x != x) | (best_i < 0))
             best = tl.where(better, x, best)
             best_i = tl.where(better, i[:, None], best_i)
         else:

@@ -200,3 +200,15 @@ def test_zero_floor_max_is_relu_of_max(device):
     assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0]))
     torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
     assert torch.equal(a.grad[:, 0], torch.zeros_like(a.grad[:, 0]))
+
+
+def test_max_pool_propagates_nan_like_torch(device):
+    geom = geometry(CASES[0])
+    coords = random_coords(50, SHAPE, 2, generator=torch.Generator().manual_seed(10)).to(device)
+    plan = build_plan(coords, SHAPE, 2, geom)
+    feats = torch.randn(coords.shape[0], 3, dtype=torch.float64, device=device)
+    feats[5, 1] = float("nan")
+    out = sparse_pool(feats, plan, "max")
+    row = (plan.fwd.neighbor_map == 5).any(1)
+    assert torch.isnan(out[row, 1]).all() and not torch.isnan(out[~row]).any()
+    assert not torch.isnan(out[:, 0]).any() and not torch.isnan(out[:, 2]).any()

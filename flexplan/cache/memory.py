@@ -61,10 +61,28 @@ class MemoryCache:
             if entry is not None:
                 self._entries.move_to_end((key, device))
                 return entry[0]
-            plan = self._recent.pop((key, device), None)
+            plan = self._recent.get((key, device))
         if plan is not None:  # back soon after its first sighting: into the LRU
-            self.put(key, plan)
+            self._promote(key, plan)
         return plan
+
+    def _promote(self, key: str, plan: ConvPlan) -> None:
+        """Move a plan from the ring to the LRU in one locked step (a concurrent replace or get
+        finds it in one of the two)."""
+        size = held_bytes(plan)  # (reads tensor storages: outside the lock)
+        slot = (key, plan.device)
+        with self._lock:
+            if self._recent.get(slot) is not plan:
+                return  # another thread moved or replaced it
+            del self._recent[slot]
+            if size > self.max_bytes:
+                return  # would evict everything else and still not fit
+            old = self._entries.pop(slot, None)
+            if old is not None:
+                self._bytes -= old[1]
+            self._entries[slot] = (plan, size, False)
+            self._bytes += size
+            self._evict()
 
     def put_recent(self, key: str, plan: ConvPlan) -> None:
         """Keep the plan of a key's first sighting in the ring of recent ones."""

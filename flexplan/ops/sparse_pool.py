@@ -48,13 +48,15 @@ class SparsePoolFunction(torch.autograd.Function):
         out = feats.new_empty((n_out, channels))
         # What the backward needs: the winner of each output and channel (max) or each output's
         # count (avg); written only when a gradient will be asked for.
-        write_arg = feats.requires_grad
+        write_arg = ctx.needs_input_grad[0]
         arg = torch.empty((n_out, channels) if write_arg and mode == "max" else (1,),
                           dtype=torch.int32, device=feats.device)
         count = torch.empty((n_out,) if write_arg and mode == "avg" else (1,),
                             dtype=torch.float32, device=feats.device)
         if n_out and channels:
-            launch(sparse_pool_fwd_kernel, _grid(n_out, channels), feats, plan.fwd.neighbor_map,
+            # (the kernels index the maps as [rows, V] rows: contiguous)
+            launch(sparse_pool_fwd_kernel, _grid(n_out, channels), feats,
+                   plan.fwd.neighbor_map.contiguous(),
                    out, arg, count, n_out, channels,
                    **pool_forward_constexprs(mode, volume, write_arg, feats.dtype, zero_floor))
         ctx.plan, ctx.mode, ctx.num_in = plan, mode, feats.shape[0]
@@ -62,6 +64,7 @@ class SparsePoolFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a kernel: no graph for second derivatives
     def backward(ctx, grad_out):
         plan, mode = ctx.plan, ctx.mode
         arg, count = ctx.saved_tensors
@@ -73,7 +76,7 @@ class SparsePoolFunction(torch.autograd.Function):
         channels = grad_out.shape[1]
         # Submanifold plans keep no bwd map: their fwd map lists each voxel's neighbours, the
         # same set (the window is symmetric), and the pool's backward sums over the whole set.
-        bmap = (plan.fwd if plan.bwd is None else plan.bwd).neighbor_map
+        bmap = (plan.fwd if plan.bwd is None else plan.bwd).neighbor_map.contiguous()
         grad_in = grad_out.new_empty((ctx.num_in, channels))
         if ctx.num_in and channels:
             launch(sparse_pool_bwd_kernel, _grid(ctx.num_in, channels), grad_out, bmap, arg,

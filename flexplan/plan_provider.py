@@ -21,7 +21,7 @@ def tensor_plan(x, geometry: ConvGeometry, training: bool = True) -> ConvPlan:
     plans = x._plans
     plan = plans.get(geometry)
     if plan is None or not plan.serves(training):
-        plan = cached_plan(x.coords, x.spatial_shape, x.batch_size, geometry, check=False,
+        plan = cached_plan(x.coords, x.grid_shape, x.batch_size, geometry, check=False,
                            identity=x.coords_identity(), training=training)
         plans[geometry] = plan
     return plan

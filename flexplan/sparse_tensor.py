@@ -71,6 +71,12 @@ class SparseTensor:
         self._plans = Plans()
 
     @property
+    def grid_shape(self) -> tuple[int, int, int]:
+        """The 3D grid the coordinates index (what plans are built over); a view may show
+        fewer axes (SparseConvTensor's 2D tensors)."""
+        return self.spatial_shape
+
+    @property
     def num_voxels(self) -> int:
         return self.feats.shape[0]
 
@@ -103,7 +109,7 @@ class SparseTensor:
     def dense(self) -> torch.Tensor:
         """Dense [B, C, X, Y, Z] view, for tests and small grids."""
         b, x, y, z = self.coords.long().unbind(1)
-        out = self.feats.new_zeros((self.batch_size, self.num_channels, *self.spatial_shape))
+        out = self.feats.new_zeros((self.batch_size, self.num_channels, *self.grid_shape))
         out[b, :, x, y, z] = self.feats
         return out
 

@@ -8,6 +8,7 @@ that SparseInverseConv3d can map back onto the coordinates they came from.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Optional
@@ -52,12 +53,26 @@ class SparseConvTensor(SparseTensor):
 
     spconv's grid / voxel_num / benchmark / allocator / timer arguments are accepted and kept
     as attributes but unused. check=True validates indices (int32, in range, no duplicates).
+
+    2D tensors (spconv's [N, 3] indices (batch, d0, d1) with a 2-entry spatial_shape, for the
+    2D layers) are kept as 3D ones with a unit last axis: coords [N, 4] with d2 = 0 and grid
+    (D0, D1, 1), so every plan, kernel and cache serves them unchanged; indices, spatial_shape
+    and dense() show the 2D view.
     """
+
+    _ndim = 3  # spatial dimensions shown to the user: 3, or 2 (a unit third axis inside)
 
     def __init__(self, features: torch.Tensor, indices: torch.Tensor, spatial_shape, batch_size: int,
                  grid=None, voxel_num=None, indice_dict: Optional[dict] = None, benchmark: bool = False,
                  permanent_thrust_allocator: bool = False, enable_timer: bool = False,
                  force_algo=None, *, check: bool = True):
+        if isinstance(indices, torch.Tensor) and indices.dim() == 2 and indices.shape[1] == 3:
+            if len(tuple(spatial_shape)) != 2:
+                raise SparseTensorError(f"[N, 3] indices are 2D: spatial_shape needs 2 entries, "
+                                        f"got {tuple(spatial_shape)}")
+            self._ndim = 2
+            indices = torch.nn.functional.pad(indices, (0, 1))  # d2 = 0 (dtype kept)
+            spatial_shape = (*spatial_shape, 1)
         super().__init__(features, indices, spatial_shape, int(batch_size), check=check)
         self.indice_dict = {} if indice_dict is None else indice_dict
         self.grid, self.voxel_num, self.force_algo = grid, voxel_num, force_algo
@@ -76,30 +91,46 @@ class SparseConvTensor(SparseTensor):
         self.feats = value
 
     @property
+    def grid_shape(self) -> tuple[int, int, int]:
+        return self._spatial_shape
+
+    @property
+    def ndim(self) -> int:
+        """Spatial dimensions: 3, or 2 for a tensor of [N, 3] indices."""
+        return self._ndim
+
+    @property
     def indices(self) -> torch.Tensor:
-        return self.coords
+        return self.coords if self._ndim == 3 else self.coords[:, :3]
 
     @indices.setter
     def indices(self, value: torch.Tensor) -> None:
+        if self._ndim == 2 and value.dim() == 2 and value.shape[1] == 3:
+            value = torch.nn.functional.pad(value, (0, 1))
         self.coords = value
         self._plans = Plans()
 
     @property
-    def spatial_shape(self) -> tuple[int, int, int]:
-        return self._spatial_shape
+    def spatial_shape(self) -> tuple:
+        return self._spatial_shape if self._ndim == 3 else self._spatial_shape[:2]
 
     @spatial_shape.setter
     def spatial_shape(self, value) -> None:
+        value = tuple(value)
+        if self._ndim == 2 and len(value) == 2:
+            value = (*value, 1)
         self._spatial_shape = triple(value, "spatial_shape")
         self._plans = Plans()
 
     @classmethod
     def from_dense(cls, x: torch.Tensor) -> "SparseConvTensor":
-        """From a channels-last [B, D0, D1, D2, C] tensor: the sites with any nonzero channel."""
-        if x.dim() != 5:
-            raise SparseTensorError(f"from_dense expects [B, D0, D1, D2, C], got {tuple(x.shape)}")
+        """From a channels-last [B, D0, D1, D2, C] tensor (or [B, D0, D1, C]: a 2D tensor): the
+        sites with any nonzero channel."""
+        if x.dim() not in (4, 5):
+            raise SparseTensorError(f"from_dense expects [B, D0, D1, D2, C] or [B, D0, D1, C], "
+                                    f"got {tuple(x.shape)}")
         active = (x != 0).any(dim=-1)
-        return cls(x[active], active.nonzero().to(torch.int32), x.shape[1:4], x.shape[0],
+        return cls(x[active], active.nonzero().to(torch.int32), x.shape[1:-1], x.shape[0],
                    check=False)
 
     def replace_feature(self, feature: torch.Tensor) -> "SparseConvTensor":
@@ -107,7 +138,7 @@ class SparseConvTensor(SparseTensor):
         if feature.dim() != 2 or feature.shape[0] != self.num_voxels:
             raise SparseTensorError(f"replacement features must have shape [{self.num_voxels}, C], "
                                     f"got {tuple(feature.shape)}")
-        return self._derived(feature, self.coords, self.spatial_shape, self.indice_dict, self._plans)
+        return self._derived(feature, self.coords, self._spatial_shape, self.indice_dict, self._plans)
 
     replace_feats = replace_feature  # what flexplan's own layers call
 
@@ -116,6 +147,7 @@ class SparseConvTensor(SparseTensor):
         of the right rows, indices and grid of a plan), so nothing is validated again (every
         layer makes one or two: the checks' host time would add up)."""
         out = object.__new__(SparseConvTensor)
+        out._ndim = self._ndim
         out.feats, out.coords, out._spatial_shape = features, indices, spatial_shape
         out.batch_size, out._plans, out.indice_dict = self.batch_size, plans, indice_dict
         out.grid, out.voxel_num, out.force_algo = self.grid, self.voxel_num, self.force_algo
@@ -123,21 +155,22 @@ class SparseConvTensor(SparseTensor):
         return out
 
     def shadow_copy(self) -> "SparseConvTensor":
-        return self._derived(self.feats, self.coords, self.spatial_shape, self.indice_dict,
+        return self._derived(self.feats, self.coords, self._spatial_shape, self.indice_dict,
                              self._plans)
 
     def find_indice_pair(self, key) -> Optional[IndiceData]:
         return None if key is None else self.indice_dict.get(key)
 
     def dense(self, channels_first: bool = True) -> torch.Tensor:
-        """[B, C, D0, D1, D2], or [B, D0, D1, D2, C] with channels_first=False."""
+        """[B, C, D0, D1, D2], or [B, D0, D1, D2, C] with channels_first=False (2D: no D2)."""
         out = super().dense()
-        return out if channels_first else out.permute(0, 2, 3, 4, 1).contiguous()
+        if self._ndim == 2:
+            out = out.squeeze(-1)
+        return out if channels_first else out.movedim(1, -1).contiguous()
 
     @property
     def spatial_size(self) -> int:
-        x, y, z = self.spatial_shape
-        return x * y * z
+        return math.prod(self.spatial_shape)
 
     @property
     def sparity(self) -> float:  # sic: spconv's spelling

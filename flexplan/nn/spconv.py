@@ -3,12 +3,14 @@
 docs/migrating_from_spconv.md); here SubMConv3d is the spconv-compatible one."""
 from .sparse_conv_tensor import IndiceData, SparseConvTensor
 from .sparse_sequential import SparseSequential, ToDense
-from .spconv_layers import (SparseConv3d, SparseConvolution, SparseConvTranspose3d,
-                            SparseInverseConv3d, SparseModule, SubMConv3d)
-from .spconv_pool import (SparseAvgPool, SparseAvgPool3d, SparseGlobalAvgPool,
-                          SparseGlobalMaxPool, SparseMaxPool, SparseMaxPool3d)
+from .spconv_layers import (SparseConv2d, SparseConv3d, SparseConvolution, SparseConvTranspose2d,
+                            SparseConvTranspose3d, SparseInverseConv2d, SparseInverseConv3d,
+                            SparseModule, SubMConv2d, SubMConv3d)
+from .spconv_pool import (SparseAvgPool, SparseAvgPool2d, SparseAvgPool3d, SparseGlobalAvgPool,
+                          SparseGlobalMaxPool, SparseMaxPool, SparseMaxPool2d, SparseMaxPool3d)
 
-__all__ = ["IndiceData", "SparseAvgPool", "SparseAvgPool3d", "SparseConv3d", "SparseConvTensor",
+__all__ = ["IndiceData", "SparseAvgPool", "SparseAvgPool2d", "SparseAvgPool3d", "SparseConv2d",
+           "SparseConvTranspose2d", "SparseInverseConv2d", "SparseMaxPool2d", "SubMConv2d", "SparseConv3d", "SparseConvTensor",
            "SparseConvTranspose3d", "SparseConvolution", "SparseGlobalAvgPool",
            "SparseGlobalMaxPool", "SparseInverseConv3d", "SparseMaxPool", "SparseMaxPool3d",
            "SparseModule", "SparseSequential", "SubMConv3d", "ToDense"]

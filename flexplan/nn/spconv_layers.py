@@ -39,11 +39,32 @@ class _LoadsNativeLayout(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         weight = state_dict.get(prefix + "weight")
-        co, k0, k1, k2, ci = self.weight.shape
-        if weight is not None and tuple(weight.shape) == (k0, k1, k2, co, ci) != \
-                tuple(self.weight.shape):
-            state_dict[prefix + "weight"] = weight.permute(3, 0, 1, 2, 4)
+        co, *kernel, ci = self.weight.shape  # [Co, K..., Ci]: 3D or 2D
+        native = (*kernel, co, ci)
+        if weight is not None and tuple(weight.shape) == native != tuple(self.weight.shape):
+            nk = len(kernel)
+            state_dict[prefix + "weight"] = weight.permute(nk, *range(nk), nk + 1)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def lift(value, ndim: int, name: str, unit: int):
+    """A 3D layer argument from an ndim-D one: 3D as is; 2D (spconv's 2D layers, whose tensors
+    have a unit third axis inside) gets `unit` on the third axis (kernel, stride, dilation 1;
+    padding 0)."""
+    if ndim == 3:
+        return value
+    if ndim != 2:
+        raise NotImplementedError(f"flexplan layers are 2D or 3D; got ndim={ndim}")
+    pair = (value, value) if isinstance(value, int) else tuple(value)
+    if len(pair) != 2:
+        raise ValueError(f"{name} of a 2D layer needs 2 entries, got {value}")
+    return (*pair, unit)
+
+
+def check_ndim(module, x) -> None:
+    if x.ndim != module.ndim:
+        raise ValueError(f"{type(module).__name__} is a {module.ndim}D layer; got a {x.ndim}D "
+                         f"tensor ({'[N, 3]' if x.ndim == 2 else '[N, 4]'} indices)")
 
 
 def algo_name(algo) -> str:
@@ -91,8 +112,9 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
                  indice_key=None, algo=None, name=None, *, allow_tf32: bool | None = False,
                  device=None, dtype=None):
         super().__init__(name)
-        if ndim != 3:
-            raise NotImplementedError(f"flexplan convolutions are 3D; got ndim={ndim}")
+        kernel_size, stride = lift(kernel_size, ndim, "kernel_size", 1), lift(stride, ndim, "stride", 1)
+        padding, dilation = lift(padding, ndim, "padding", 0), lift(dilation, ndim, "dilation", 1)
+        output_padding = lift(output_padding, ndim, "output_padding", 0)
         if subm:
             raise ValueError("use SubMConv3d for submanifold convolutions")
         if groups != 1:
@@ -103,21 +125,28 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
             raise ValueError("an inverse convolution needs the indice_key of its paired conv")
         self.geometry = ConvGeometry.make(kernel_size, dilation, stride, padding,
                                           submanifold=False, transposed=transposed)
-        self.ndim, self.in_channels, self.out_channels = 3, int(in_channels), int(out_channels)
+        self.ndim, self.in_channels, self.out_channels = ndim, int(in_channels), int(out_channels)
         self.kernel_size, self.stride = self.geometry.kernel_size, self.geometry.stride
         self.padding, self.dilation = self.geometry.padding, self.geometry.dilation
         self.transposed, self.inverse, self.subm = transposed, inverse, False
         self.indice_key, self.algo, self.allow_tf32 = indice_key, algo_name(algo), allow_tf32
         factory = dict(device=device, dtype=dtype)
         self.weight = torch.nn.Parameter(
-            torch.empty((out_channels, *self.kernel_size, in_channels), **factory))
+            torch.empty((out_channels, *self.kernel_size[:ndim], in_channels), **factory))
         self.bias = torch.nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
         self.reset_parameters()
 
     reset_parameters = _SubMConv3d.reset_parameters  # +-1/sqrt(fan_in), like flexplan's own
 
+    def conv_weight(self) -> torch.Tensor:
+        """The weight as the 3D op takes it: [Co, K0, K1, K2, Ci] (a 2D layer's [Co, K0, K1, Ci]
+        viewed with a unit K2)."""
+        return self.weight if self.ndim == 3 else self.weight.unsqueeze(3)
+
     def forward(self, x: SparseConvTensor) -> SparseConvTensor:
         _check_input(self, x)
+        check_ndim(self, x)
+        # (below, the tensor's 3D coords and grid: a 2D tensor's have a unit third axis)
         if self.inverse:
             data = x.find_indice_pair(self.indice_key)
             if data is None:
@@ -129,7 +158,7 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
             if data.plan.geometry.kernel_size != self.kernel_size:
                 raise ValueError(f"inverse conv kernel {self.kernel_size} differs from its paired "
                                  f"conv's {data.plan.geometry.kernel_size}")
-            if x.num_voxels != data.plan.num_out or x.spatial_shape != data.out_spatial_shape:
+            if x.num_voxels != data.plan.num_out or x._spatial_shape != data.out_spatial_shape:
                 raise ValueError(f"inverse conv input ({x.num_voxels} voxels, grid "
                                  f"{x.spatial_shape}) is not the output of the conv of "
                                  f"indice_key {self.indice_key!r}")
@@ -137,12 +166,13 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
         else:
             plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled())
             # The output coords are named from the input's: never hashed.
-            plans = Plans(derived_identity(x.coords_identity(), x.spatial_shape, x.batch_size,
+            plans = Plans(derived_identity(x.coords_identity(), x._spatial_shape, x.batch_size,
                                            self.geometry))
             indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
-                plan.out_coords, x.indices, x.spatial_shape, plan.out_spatial_shape,
+                plan.out_coords, x.coords, x._spatial_shape, plan.out_spatial_shape,
                 is_subm=False, plan=plan, in_plans=x._plans))
-        feats = sparse_conv(x.features, plan, self.weight, self.bias, self.algo, self.allow_tf32)
+        feats = sparse_conv(x.features, plan, self.conv_weight(), self.bias, self.algo,
+                            self.allow_tf32)
         return x._derived(feats, plan.out_coords, plan.out_spatial_shape, indice_dict, plans)
 
     def extra_repr(self) -> str:
@@ -177,6 +207,30 @@ class SparseInverseConv3d(SparseConvolution):
                          indice_key=indice_key, algo=algo, name=name, **kwargs)
 
 
+class SparseConv2d(SparseConvolution):
+    """spconv's SparseConv2d: indices [N, 3] (batch, d0, d1), weight [Co, K0, K1, Ci]."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, bias=True, indice_key=None, algo=None, name=None, **kwargs):
+        super().__init__(2, in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, indice_key=indice_key, algo=algo, name=name, **kwargs)
+
+
+class SparseConvTranspose2d(SparseConvolution):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, bias=True, indice_key=None, algo=None, name=None, **kwargs):
+        super().__init__(2, in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, transposed=True, indice_key=indice_key, algo=algo,
+                         name=name, **kwargs)
+
+
+class SparseInverseConv2d(SparseConvolution):
+    def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, algo=None,
+                 name=None, **kwargs):
+        super().__init__(2, in_channels, out_channels, kernel_size, bias=bias, inverse=True,
+                         indice_key=indice_key, algo=algo, name=name, **kwargs)
+
+
 class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
     """spconv's SubMConv3d: flexplan's SubMConv3d with spconv's constructor and indice_key.
 
@@ -184,24 +238,40 @@ class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
     spconv's errors (an inverse conv paired with a submanifold key).
     """
 
+    ndim = 3
+
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
                  groups=1, bias=True, indice_key=None, algo=None, name=None, *,
                  allow_tf32: bool | None = False, device=None, dtype=None):
-        if triple(stride, "stride") != (1, 1, 1):
+        kernel_size = lift(kernel_size, self.ndim, "kernel_size", 1)
+        dilation = lift(dilation, self.ndim, "dilation", 1)
+        if triple(lift(stride, self.ndim, "stride", 1), "stride") != (1, 1, 1):
             raise ValueError(f"submanifold convolution has stride 1, got {stride}")
         if groups != 1:
             raise NotImplementedError("grouped sparse convolution is not supported (groups=1)")
         # padding is moot: submanifold outputs are the input sites (spconv ignores it too).
         super().__init__(in_channels, out_channels, kernel_size, dilation, bias,
                          algo=algo_name(algo), allow_tf32=allow_tf32, device=device, dtype=dtype)
+        if self.ndim == 2:  # spconv's 2D layout [Co, K0, K1, Ci], viewed with a unit K2
+            self.weight = torch.nn.Parameter(self.weight.detach().squeeze(3))
         self.name, self.indice_key = name, indice_key
+
+    def conv_weight(self) -> torch.Tensor:
+        return self.weight if self.ndim == 3 else self.weight.unsqueeze(3)
 
     def forward(self, x: SparseConvTensor) -> SparseConvTensor:
         _check_input(self, x)
+        check_ndim(self, x)
         out = super().forward(x)
         if self.geometry.volume == 1:  # no neighbours, no plan: the key names nothing (spconv's
             return out                  # 1x1 path ignores it too, and may share a 3x3x3 conv's)
         out.indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
-            x.indices, x.indices, x.spatial_shape, x.spatial_shape, is_subm=True,
+            x.coords, x.coords, x._spatial_shape, x._spatial_shape, is_subm=True,
             plan=tensor_plan(x, self.geometry, training=torch.is_grad_enabled()), in_plans=x._plans))
         return out
+
+
+class SubMConv2d(SubMConv3d):
+    """spconv's SubMConv2d: indices [N, 3] (batch, d0, d1), weight [Co, K0, K1, Ci]."""
+
+    ndim = 2

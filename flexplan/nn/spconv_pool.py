@@ -16,7 +16,7 @@ from ..ops.sparse_pool import global_pool, sparse_pool
 from ..plan_provider import tensor_plan
 from ..sparse_tensor import Plans
 from .sparse_conv_tensor import IndiceData, SparseConvTensor
-from .spconv_layers import SparseModule, _record
+from .spconv_layers import SparseModule, _record, check_ndim, lift
 
 
 def _check_input(module, x) -> None:
@@ -26,7 +26,7 @@ def _check_input(module, x) -> None:
 
 
 class SparsePool(SparseModule):
-    """spconv's SparseMaxPool / SparseAvgPool (ndim=3). subm=True pools each voxel's
+    """spconv's SparseMaxPool / SparseAvgPool (ndim 3, or 2 for [N, 3] indices). subm=True pools each voxel's
     neighbourhood onto the voxel itself (output coordinates = input coordinates). algo and
     record_voxel_count are accepted for spconv compatibility (flexplan picks its own kernels)."""
 
@@ -37,14 +37,13 @@ class SparsePool(SparseModule):
                  indice_key=None, subm: bool = False, algo=None, record_voxel_count: bool = False,
                  name=None):
         super().__init__(name)
-        if ndim != 3:
-            raise NotImplementedError(f"flexplan pooling is 3D; got ndim={ndim}")
-        self.geometry = ConvGeometry.make(kernel_size, dilation,
-                                          kernel_size if stride is None else stride,
-                                          padding, submanifold=subm)
+        stride = kernel_size if stride is None else stride
+        kernel_size, stride = lift(kernel_size, ndim, "kernel_size", 1), lift(stride, ndim, "stride", 1)
+        padding, dilation = lift(padding, ndim, "padding", 0), lift(dilation, ndim, "dilation", 1)
+        self.geometry = ConvGeometry.make(kernel_size, dilation, stride, padding, submanifold=subm)
         if subm and (self.geometry.stride != (1, 1, 1) or self.geometry.padding != (0, 0, 0)):
             raise ValueError("a submanifold pool keeps each voxel: stride 1, padding 0")
-        self.ndim = 3
+        self.ndim = ndim
         self.kernel_size, self.stride = self.geometry.kernel_size, self.geometry.stride
         self.padding, self.dilation = self.geometry.padding, self.geometry.dilation
         self.indice_key, self.subm, self.algo = indice_key, subm, algo
@@ -52,14 +51,15 @@ class SparsePool(SparseModule):
 
     def forward(self, x: SparseConvTensor) -> SparseConvTensor:
         _check_input(self, x)
+        check_ndim(self, x)
         plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled())  # as the convs ask
         if self.subm:
             plans, indice_dict = x._plans, x.indice_dict
         else:  # the output coords are named from the input's: never hashed
-            plans = Plans(derived_identity(x.coords_identity(), x.spatial_shape, x.batch_size,
+            plans = Plans(derived_identity(x.coords_identity(), x._spatial_shape, x.batch_size,
                                            self.geometry))
             indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
-                plan.out_coords, x.indices, x.spatial_shape, plan.out_spatial_shape,
+                plan.out_coords, x.coords, x._spatial_shape, plan.out_spatial_shape,
                 is_subm=False, plan=plan, in_plans=x._plans))
         feats = sparse_pool(x.features, plan, self.mode, self.zero_floor)
         return x._derived(feats, plan.out_coords, plan.out_spatial_shape, indice_dict, plans)
@@ -100,6 +100,20 @@ class SparseAvgPool3d(SparseAvgPool):
     def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
                  algo=None, record_voxel_count: bool = False, name=None):
         super().__init__(3, kernel_size, stride, padding, dilation, indice_key=indice_key,
+                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+
+
+class SparseMaxPool2d(SparseMaxPool):
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
+                 algo=None, record_voxel_count: bool = False, name=None):
+        super().__init__(2, kernel_size, stride, padding, dilation, indice_key=indice_key,
+                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+
+
+class SparseAvgPool2d(SparseAvgPool):
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
+                 algo=None, record_voxel_count: bool = False, name=None):
+        super().__init__(2, kernel_size, stride, padding, dilation, indice_key=indice_key,
                          algo=algo, record_voxel_count=record_voxel_count, name=name)
 
 

@@ -41,6 +41,10 @@ class SubMConv3d(torch.nn.Module):
         if self.bias is not None:
             torch.nn.init.uniform_(self.bias, -bound, bound)
 
+    def conv_weight(self) -> torch.Tensor:
+        """The weight the op takes, [Co, Kx, Ky, Kz, Ci] (a subclass may store another view)."""
+        return self.weight
+
     def forward(self, x: SparseTensor) -> SparseTensor:
         if not isinstance(x, SparseTensor):
             raise TypeError(f"SubMConv3d expects a SparseTensor, got {type(x).__name__}")
@@ -50,11 +54,12 @@ class SubMConv3d(torch.nn.Module):
             if x.num_channels != self.in_channels:
                 raise ValueError(f"SubMConv3d expects {self.in_channels} input channels, got "
                                  f"features of shape {tuple(x.feats.shape)}")
-            weight = self.weight.reshape(self.out_channels, self.in_channels)
+            weight = self.conv_weight().reshape(self.out_channels, self.in_channels)
             return x.replace_feats(torch.nn.functional.linear(x.feats, weight, self.bias))
         # Under no_grad / inference_mode nothing will be differentiated: an inference plan.
         plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled())
-        feats = sparse_conv(x.feats, plan, self.weight, self.bias, self.algo, self.allow_tf32)
+        feats = sparse_conv(x.feats, plan, self.conv_weight(), self.bias, self.algo,
+                            self.allow_tf32)
         return x.replace_feats(feats)
 
     def extra_repr(self) -> str:

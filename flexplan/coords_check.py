@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .compile_boundary import opaque
 from .coords_hash import (digest_identity, digest_lanes, known_identity, lanes_to_digest,
                           remember_identity)
 from .device_guard import on_device_of
@@ -41,6 +42,7 @@ def raise_coords_problems(coords: torch.Tensor, spatial_shape: tuple[int, int, i
             "pass merge_duplicates=True to SparseTensor to sum their features")
 
 
+@opaque
 def check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batch_size: int,
                  check_duplicates: bool = True) -> None:
     """Validate coords against the grid; raise SparseTensorError with the first offending row."""

@@ -9,10 +9,12 @@ once per user tensor, derived for a strided layer's output) names them for the c
 from __future__ import annotations
 
 from .cache import cached_plan
+from .compile_boundary import opaque
 from .geometry import ConvGeometry
 from .plan import ConvPlan
 
 
+@opaque
 def tensor_plan(x, geometry: ConvGeometry, training: bool = True) -> ConvPlan:
     """The plan of `geometry` over the coordinates of x (a SparseTensor): from its Plans, else
     built (or found in the plan cache) once and kept there. training=False accepts an inference

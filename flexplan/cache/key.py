@@ -16,12 +16,14 @@ from dataclasses import asdict
 
 import torch
 
+from ..compile_boundary import opaque
 from ..coords_hash import coords_digest, coords_identity  # noqa: F401 - the key's API
 from ..geometry import ConvGeometry
 from ..plan import PLAN_FORMAT_VERSION
 from .format import FILE_FORMAT_VERSION
 
 
+@opaque
 def derived_identity(parent: bytes, spatial_shape, batch_size: int, geometry: ConvGeometry) -> bytes:
     """The identity of the output coordinates of `geometry` over the coordinates named `parent`
     (a strided or transposed conv's out_coords are a function of those four), with no device

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import torch
 
+from ..compile_boundary import opaque
 from ..device_guard import on_device_of
 from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, IM2COL_BLOCK_K,
                               IM2COL_BLOCK_M, SCHEDULE_CHUNK, WGRAD, KernelConfig, Problem,
@@ -307,6 +308,7 @@ def _autocast_dtype(feats) -> torch.dtype | None:
     return dtype if dtype in (torch.float16, torch.bfloat16) else None
 
 
+@opaque
 def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
                 bias: torch.Tensor | None = None, algo: str = AUTO,
                 allow_tf32: bool | None = False) -> torch.Tensor:

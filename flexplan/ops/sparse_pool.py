@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compile_boundary import opaque
 from ..device_guard import on_device_of
 from ..kernels_src.sparse_pool import sparse_pool_bwd_kernel, sparse_pool_fwd_kernel
 from ..launcher import cdiv, launch
@@ -105,6 +106,7 @@ def _check(feats, plan, mode):
         raise ValueError("pooling takes a strided or submanifold plan, not a transposed one")
 
 
+@opaque
 def sparse_pool(feats: torch.Tensor, plan: ConvPlan, mode: str = "max",
                 zero_floor: bool = False) -> torch.Tensor:
     """Pool feats [N_in, C] over the windows of `plan` (a plan of the pool's kernel, stride,

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import torch
 
+from ..compile_boundary import opaque
 from ..device_guard import on_device_of
 from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
@@ -105,6 +106,7 @@ def transposed_map_torch(fwd: torch.Tensor, num_in: int) -> torch.Tensor:
     return bwd[:num_in]
 
 
+@opaque
 def bwd_from_fwd(plan: ConvPlan) -> ConvPlan:
     """The plan with its bwd map (input rows gather output rows) made from the fwd map, for an
     inference plan of a strided / transposed conv whose inverse conv needs it: one launch and

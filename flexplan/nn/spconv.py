@@ -6,10 +6,16 @@ from .sparse_sequential import SparseSequential, ToDense
 from .spconv_layers import (SparseConv2d, SparseConv3d, SparseConvolution, SparseConvTranspose2d,
                             SparseConvTranspose3d, SparseInverseConv2d, SparseInverseConv3d,
                             SparseModule, SubMConv2d, SubMConv3d)
+from . import spconv_functional as functional
+from .spconv_modules import (AddTable, AddTableMisaligned, ConcatTable, ConvAlgo, Identity,
+                             JoinTable, RemoveGrid, SparseBatchNorm, SparseIdentity, SparseReLU,
+                             SparseSyncBatchNorm, assign_name_for_sparse_modules)
 from .spconv_pool import (SparseAvgPool, SparseAvgPool2d, SparseAvgPool3d, SparseGlobalAvgPool,
                           SparseGlobalMaxPool, SparseMaxPool, SparseMaxPool2d, SparseMaxPool3d)
 
-__all__ = ["IndiceData", "SparseAvgPool", "SparseAvgPool2d", "SparseAvgPool3d", "SparseConv2d",
+__all__ = ["AddTable", "AddTableMisaligned", "ConcatTable", "ConvAlgo", "Identity", "JoinTable",
+           "RemoveGrid", "SparseBatchNorm", "SparseIdentity", "SparseReLU", "SparseSyncBatchNorm",
+           "assign_name_for_sparse_modules", "functional", "IndiceData", "SparseAvgPool", "SparseAvgPool2d", "SparseAvgPool3d", "SparseConv2d",
            "SparseConvTranspose2d", "SparseInverseConv2d", "SparseMaxPool2d", "SubMConv2d", "SparseConv3d", "SparseConvTensor",
            "SparseConvTranspose3d", "SparseConvolution", "SparseGlobalAvgPool",
            "SparseGlobalMaxPool", "SparseInverseConv3d", "SparseMaxPool", "SparseMaxPool3d",

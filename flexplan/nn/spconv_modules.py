@@ -1,0 +1,163 @@
+"""The rest of spconv 2.x's module surface: feature-wise wrappers, tables, sparse addition.
+
+spconv's tables check only that their inputs have the same number of voxels, and then add or
+concatenate rows that may belong to different coordinates; here inputs must share their
+coordinates (the same tensor, or equal indices: checked), otherwise a clear error. Adding
+tensors of different coordinates is sparse_add's job (the union of the coordinates).
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from ..planner.keys import pack_coords, unpack_keys
+from .sparse_conv_tensor import SparseConvTensor
+from .spconv_layers import SparseModule
+
+
+class ConvAlgo(enum.Enum):
+    """spconv's algorithm names, accepted by every layer's `algo` and mapped to flexplan's "auto"
+    (flexplan picks its kernels per shape)."""
+
+    Native = 0
+    MaskImplicitGemm = 1
+    MaskSplitImplicitGemm = 2
+
+
+def assign_name_for_sparse_modules(module: torch.nn.Module) -> None:
+    """spconv's helper: each SparseModule gets its qualified name (for benchmark records)."""
+    for name, child in module.named_modules():
+        if isinstance(child, SparseModule):
+            child._sparse_unique_name = name
+
+
+def _feature_wise(base):
+    """A torch module that maps a SparseConvTensor's features (and plain tensors as before)."""
+
+    class FeatureWise(base):
+        def forward(self, input):
+            if isinstance(input, SparseConvTensor):
+                return input.replace_feature(super().forward(input.features))
+            return super().forward(input)
+
+    FeatureWise.__name__ = FeatureWise.__qualname__ = "Sparse" + base.__name__
+    FeatureWise.__doc__ = f"spconv's Sparse{base.__name__}: torch's {base.__name__} on the features."
+    return FeatureWise
+
+
+SparseBatchNorm = _feature_wise(torch.nn.BatchNorm1d)
+SparseBatchNorm.__name__ = SparseBatchNorm.__qualname__ = "SparseBatchNorm"
+SparseSyncBatchNorm = _feature_wise(torch.nn.SyncBatchNorm)
+SparseReLU = _feature_wise(torch.nn.ReLU)
+SparseIdentity = _feature_wise(torch.nn.Identity)
+
+
+class Identity(torch.nn.Module):
+    def forward(self, input):
+        return input
+
+    def input_spatial_size(self, out_size):
+        return out_size
+
+
+class RemoveGrid(SparseModule):
+    """spconv's RemoveGrid: drops the (unused here) pre-allocated grid."""
+
+    def forward(self, x: SparseConvTensor) -> SparseConvTensor:
+        x.grid = None
+        return x
+
+
+def _check_same_sites(tensors, what: str) -> None:
+    first = tensors[0]
+    for t in tensors[1:]:
+        if not isinstance(t, SparseConvTensor):
+            raise TypeError(f"{what} takes SparseConvTensors, got {type(t).__name__}")
+        if t.batch_size != first.batch_size or t.grid_shape != first.grid_shape:
+            raise ValueError(f"{what}: inputs differ in batch size or spatial shape")
+        same = t.coords is first.coords or t._plans is first._plans or (
+            t.coords.shape == first.coords.shape and torch.equal(t.coords, first.coords))
+        if not same:
+            raise ValueError(f"{what} needs inputs over the same coordinates (in the same row "
+                             "order); add tensors of different coordinates with "
+                             "functional.sparse_add (AddTableMisaligned)")
+
+
+class JoinTable(SparseModule):
+    """Concatenates the features of tensors over the same coordinates."""
+
+    def forward(self, input: list) -> SparseConvTensor:
+        _check_same_sites(input, "JoinTable")
+        return input[0].replace_feature(torch.cat([t.features for t in input], 1))
+
+    def input_spatial_size(self, out_size):
+        return out_size
+
+
+class AddTable(SparseModule):
+    """Adds the features of tensors over the same coordinates."""
+
+    def forward(self, input: list) -> SparseConvTensor:
+        _check_same_sites(input, "AddTable")
+        channels = {t.features.shape[1] for t in input}
+        if len(channels) != 1:
+            raise ValueError(f"AddTable: inputs have different channel counts {sorted(channels)}")
+        return input[0].replace_feature(sum(t.features for t in input))
+
+    def input_spatial_size(self, out_size):
+        return out_size
+
+
+class AddTableMisaligned(SparseModule):
+    """Adds tensors of different coordinates (their union): functional.sparse_add."""
+
+    def forward(self, input: list) -> SparseConvTensor:
+        return sparse_add(*input)
+
+    def input_spatial_size(self, out_size):
+        return out_size
+
+
+class ConcatTable(SparseModule):
+    """Runs each child on the input: a list of their outputs."""
+
+    def forward(self, input):
+        return [module(input) for module in self._modules.values()]
+
+    def add(self, module):
+        self._modules[str(len(self._modules))] = module
+        return self
+
+    def input_spatial_size(self, out_size):
+        return self._modules["0"].input_spatial_size(out_size)
+
+
+def sparse_add(*tensors: SparseConvTensor) -> SparseConvTensor:
+    """spconv's functional.sparse_add: the sum over the union of the tensors' coordinates (a
+    site present in several adds their features). Tensors over the same coordinates keep their
+    rows, plans and indice_dict; otherwise the output's rows are in coordinate order and it has
+    no indice_dict (as spconv, an inverse conv cannot follow it)."""
+    if not tensors:
+        raise ValueError("sparse_add needs at least one tensor")
+    first = tensors[0]
+    try:
+        _check_same_sites(tensors, "sparse_add")
+        return AddTable()(list(tensors))
+    except ValueError:
+        pass  # different coordinates: the union below
+    for t in tensors[1:]:
+        if t.batch_size != first.batch_size or t.grid_shape != first.grid_shape:
+            raise ValueError("sparse_add: inputs differ in batch size or spatial shape")
+        if t.features.shape[1] != first.features.shape[1]:
+            raise ValueError("sparse_add: inputs have different channel counts")
+    grid, batch = first.grid_shape, first.batch_size
+    keys = torch.cat([pack_coords(t.coords, grid, batch) for t in tensors])
+    feats = torch.cat([t.features for t in tensors])
+    uniq, rows = torch.unique(keys, return_inverse=True)
+    out = feats.new_zeros((uniq.shape[0], feats.shape[1])).index_add(0, rows, feats)
+    coords = unpack_keys(uniq, grid).to(torch.int32)
+    result = SparseConvTensor(out, coords, grid, batch, check=False)
+    if first.ndim == 2:  # the same 2D view as the inputs
+        result = SparseConvTensor(out, coords[:, :3], grid[:2], batch, check=False)
+    return result

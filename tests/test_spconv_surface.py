@@ -1,0 +1,71 @@
+"""The rest of spconv's public names in flexplan.nn.spconv: feature-wise wrappers, tables,
+sparse_add (float64 references), ConvAlgo accepted by layers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexplan.nn.spconv as spconv
+from flexplan.nn.spconv import functional as Fsp
+from flexplan.workloads import random_coords
+
+SHAPE = (9, 8, 7)
+
+
+def tensor(seed, n=60, channels=3, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    coords = random_coords(n, SHAPE, 2, generator=gen)
+    feats = torch.randn(coords.shape[0], channels, dtype=torch.float64, generator=gen)
+    return spconv.SparseConvTensor(feats.to(device), coords.to(device), SHAPE, 2)
+
+
+def test_spconv_names_present():
+    for name in ("SparseBatchNorm", "SparseSyncBatchNorm", "SparseReLU", "SparseIdentity",
+                 "Identity", "RemoveGrid", "AddTable", "AddTableMisaligned", "ConcatTable",
+                 "JoinTable", "ConvAlgo", "assign_name_for_sparse_modules", "SubMConv2d",
+                 "SparseConv2d", "SparseMaxPool2d", "SparseGlobalMaxPool"):
+        assert hasattr(spconv, name), name
+    assert Fsp.sparse_add is spconv.functional.sparse_add
+
+
+def test_feature_wise_modules_and_tables(device):
+    x = tensor(0, device=device)
+    bn = spconv.SparseBatchNorm(3).double().to(device)
+    y = bn(x)
+    torch.testing.assert_close(y.features, torch.nn.functional.batch_norm(
+        x.features, None, None, bn.weight, bn.bias, training=True))
+    assert torch.equal(spconv.SparseReLU()(x).features, x.features.relu())
+    assert spconv.SparseIdentity()(x).features is x.features
+    assert spconv.Identity()(x) is x
+    assert spconv.SparseReLU()(x.features).shape == x.features.shape  # plain tensors too
+    branches = spconv.ConcatTable().add(spconv.SparseReLU()).add(spconv.SparseIdentity())
+    a, b = branches(x)
+    added = spconv.AddTable()([a, b])
+    torch.testing.assert_close(added.features, x.features.relu() + x.features)
+    joined = spconv.JoinTable()([a, b])
+    assert joined.features.shape == (x.num_voxels, 6) and torch.equal(joined.indices, x.indices)
+    # the same count of voxels in another row order (spconv would add mismatched rows): refused
+    reordered = spconv.SparseConvTensor(x.features, x.indices.flip(0).contiguous(), SHAPE, 2)
+    with pytest.raises(ValueError, match="same coordinates"):
+        spconv.AddTable()([x, reordered])
+    assert spconv.RemoveGrid()(x).grid is None
+
+
+def test_sparse_add_is_the_union(device):
+    x, y = tensor(2, device=device), tensor(3, n=40, device=device)
+    out = Fsp.sparse_add(x, y)
+    dense = x.dense() + y.dense()
+    torch.testing.assert_close(out.dense(), dense)
+    present = (x.dense().abs().sum(1) + y.dense().abs().sum(1)) > 0
+    assert out.num_voxels == int(present.sum()) and out.indice_dict == {}
+    same = Fsp.sparse_add(x, x.replace_feature(x.features * 2))
+    assert torch.equal(same.indices, x.indices)
+    torch.testing.assert_close(same.features, x.features * 3)
+    with pytest.raises(ValueError, match="channel"):
+        Fsp.sparse_add(x, tensor(4, channels=5, device=device))
+
+
+def test_layers_accept_conv_algo(device):
+    conv = spconv.SubMConv3d(3, 4, 3, algo=spconv.ConvAlgo.MaskImplicitGemm).double().to(device)
+    assert conv.algo == "auto"
+    assert conv(tensor(5, device=device)).features.shape[1] == 4

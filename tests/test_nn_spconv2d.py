@@ -117,3 +117,26 @@ def test_2d_weights_load_from_spconv_native_layout():
     native = torch.randn(3, 3, 5, 3)  # spconv Native: [K0, K1, Co, Ci]
     conv.load_state_dict({"weight": native, "bias": torch.zeros(5)})
     assert torch.equal(conv.weight.detach(), native.permute(2, 0, 1, 3))
+
+
+@pytest.mark.parametrize("kind", ["subm", "strided"])
+def test_1d_convs_match_dense(kind, device):
+    gen = torch.Generator().manual_seed(4)
+    length = 23
+    idx = random_coords(30, (length, 1, 1), 2, generator=gen)[:, :2].contiguous()
+    feats = torch.randn(idx.shape[0], 3, dtype=torch.float64, generator=gen)
+    layer = (spconv.SubMConv1d(3, 4, 3) if kind == "subm" else spconv.SparseConv1d(3, 4, 3, 2, 1))
+    layer = layer.double()
+    assert layer.weight.shape == (4, 3, 3)  # spconv's 1D layout [Co, K0, Ci]
+    x = spconv.SparseConvTensor(feats.to(device), idx.to(device), (length,), 2)
+    out = layer.to(device)(x)
+    assert out.ndim == 1 and out.indices.shape[1] == 2 and len(out.spatial_shape) == 1
+    dense = torch.zeros(2, 3, length, dtype=torch.float64)
+    dense[idx[:, 0].long(), :, idx[:, 1].long()] = feats
+    ref = F.conv1d(dense, layer.weight.detach().cpu().permute(0, 2, 1), layer.bias.detach().cpu(),
+                   1 if kind == "subm" else 2, 1)
+    o = out.indices.cpu().long()
+    torch.testing.assert_close(out.features.detach().cpu(), ref[o[:, 0], :, o[:, 1]])
+    assert out.dense().shape == (2, 4, ref.shape[2])
+    pooled = spconv.SparseMaxPool1d(2)(x)
+    assert pooled.ndim == 1 and pooled.spatial_shape == ((length - 2) // 2 + 1,)

@@ -174,8 +174,8 @@ def test_spconv_pool_layers(device):
     assert torch.equal(subm.indices, coords)
     with torch.no_grad():
         torch.testing.assert_close(pool(x).features, down.features)
-    with pytest.raises(NotImplementedError, match="2D or 3D"):
-        spconv.SparseMaxPool(1, 2)
+    with pytest.raises(NotImplementedError, match="1D, 2D or 3D"):
+        spconv.SparseMaxPool(4, 2)
     with pytest.raises(ValueError, match="submanifold"):
         spconv.SparseMaxPool(3, 3, 2, subm=True)
     assert "kernel_size=(2, 2, 2)" in repr(pool)

@@ -54,10 +54,10 @@ class SparseConvTensor(SparseTensor):
     spconv's grid / voxel_num / benchmark / allocator / timer arguments are accepted and kept
     as attributes but unused. check=True validates indices (int32, in range, no duplicates).
 
-    2D tensors (spconv's [N, 3] indices (batch, d0, d1) with a 2-entry spatial_shape, for the
-    2D layers) are kept as 3D ones with a unit last axis: coords [N, 4] with d2 = 0 and grid
-    (D0, D1, 1), so every plan, kernel and cache serves them unchanged; indices, spatial_shape
-    and dense() show the 2D view.
+    2D and 1D tensors (spconv's [N, 3] / [N, 2] indices with a 2- / 1-entry spatial_shape, for
+    the 2D and 1D layers) are kept as 3D ones with unit last axes: coords [N, 4] with zeros
+    there and a grid like (D0, D1, 1), so every plan, kernel and cache serves them unchanged;
+    indices, spatial_shape and dense() show the 2D / 1D view.
     """
 
     _ndim = 3  # spatial dimensions shown to the user: 3, or 2 (a unit third axis inside)
@@ -66,13 +66,14 @@ class SparseConvTensor(SparseTensor):
                  grid=None, voxel_num=None, indice_dict: Optional[dict] = None, benchmark: bool = False,
                  permanent_thrust_allocator: bool = False, enable_timer: bool = False,
                  force_algo=None, *, check: bool = True):
-        if isinstance(indices, torch.Tensor) and indices.dim() == 2 and indices.shape[1] == 3:
-            if len(tuple(spatial_shape)) != 2:
-                raise SparseTensorError(f"[N, 3] indices are 2D: spatial_shape needs 2 entries, "
-                                        f"got {tuple(spatial_shape)}")
-            self._ndim = 2
-            indices = torch.nn.functional.pad(indices, (0, 1))  # d2 = 0 (dtype kept)
-            spatial_shape = (*spatial_shape, 1)
+        if isinstance(indices, torch.Tensor) and indices.dim() == 2 and indices.shape[1] in (2, 3):
+            ndim = indices.shape[1] - 1
+            if len(tuple(spatial_shape)) != ndim:
+                raise SparseTensorError(f"[N, {ndim + 1}] indices are {ndim}D: spatial_shape "
+                                        f"needs {ndim} entries, got {tuple(spatial_shape)}")
+            self._ndim = ndim
+            indices = torch.nn.functional.pad(indices, (0, 3 - ndim))  # unit axes at 0 (dtype kept)
+            spatial_shape = (*spatial_shape, *(1,) * (3 - ndim))
         super().__init__(features, indices, spatial_shape, int(batch_size), check=check)
         self.indice_dict = {} if indice_dict is None else indice_dict
         self.grid, self.voxel_num, self.force_algo = grid, voxel_num, force_algo
@@ -101,33 +102,33 @@ class SparseConvTensor(SparseTensor):
 
     @property
     def indices(self) -> torch.Tensor:
-        return self.coords if self._ndim == 3 else self.coords[:, :3]
+        return self.coords if self._ndim == 3 else self.coords[:, :1 + self._ndim]
 
     @indices.setter
     def indices(self, value: torch.Tensor) -> None:
-        if self._ndim == 2 and value.dim() == 2 and value.shape[1] == 3:
-            value = torch.nn.functional.pad(value, (0, 1))
+        if self._ndim < 3 and value.dim() == 2 and value.shape[1] == 1 + self._ndim:
+            value = torch.nn.functional.pad(value, (0, 3 - self._ndim))
         self.coords = value
         self._plans = Plans()
 
     @property
     def spatial_shape(self) -> tuple:
-        return self._spatial_shape if self._ndim == 3 else self._spatial_shape[:2]
+        return self._spatial_shape if self._ndim == 3 else self._spatial_shape[:self._ndim]
 
     @spatial_shape.setter
     def spatial_shape(self, value) -> None:
         value = tuple(value)
-        if self._ndim == 2 and len(value) == 2:
-            value = (*value, 1)
+        if self._ndim < 3 and len(value) == self._ndim:
+            value = (*value, *(1,) * (3 - self._ndim))
         self._spatial_shape = triple(value, "spatial_shape")
         self._plans = Plans()
 
     @classmethod
     def from_dense(cls, x: torch.Tensor) -> "SparseConvTensor":
-        """From a channels-last [B, D0, D1, D2, C] tensor (or [B, D0, D1, C]: a 2D tensor): the
-        sites with any nonzero channel."""
-        if x.dim() not in (4, 5):
-            raise SparseTensorError(f"from_dense expects [B, D0, D1, D2, C] or [B, D0, D1, C], "
+        """From a channels-last [B, D0, D1, D2, C] tensor (or [B, D0, D1, C] / [B, D0, C]: a 2D /
+        1D tensor): the sites with any nonzero channel."""
+        if x.dim() not in (3, 4, 5):
+            raise SparseTensorError(f"from_dense expects [B, D0, D1, D2, C] (or 2D / 1D), "
                                     f"got {tuple(x.shape)}")
         active = (x != 0).any(dim=-1)
         return cls(x[active], active.nonzero().to(torch.int32), x.shape[1:-1], x.shape[0],
@@ -162,9 +163,10 @@ class SparseConvTensor(SparseTensor):
         return None if key is None else self.indice_dict.get(key)
 
     def dense(self, channels_first: bool = True) -> torch.Tensor:
-        """[B, C, D0, D1, D2], or [B, D0, D1, D2, C] with channels_first=False (2D: no D2)."""
+        """[B, C, D0, D1, D2], or [B, D0, D1, D2, C] with channels_first=False (2D / 1D: fewer
+        axes)."""
         out = super().dense()
-        if self._ndim == 2:
+        for _ in range(3 - self._ndim):  # the unit axes of a 2D or 1D tensor
             out = out.squeeze(-1)
         return out if channels_first else out.movedim(1, -1).contiguous()
 

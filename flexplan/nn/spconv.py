@@ -3,19 +3,23 @@
 docs/migrating_from_spconv.md); here SubMConv3d is the spconv-compatible one."""
 from .sparse_conv_tensor import IndiceData, SparseConvTensor
 from .sparse_sequential import SparseSequential, ToDense
-from .spconv_layers import (SparseConv2d, SparseConv3d, SparseConvolution, SparseConvTranspose2d,
-                            SparseConvTranspose3d, SparseInverseConv2d, SparseInverseConv3d,
-                            SparseModule, SubMConv2d, SubMConv3d)
+from .spconv_layers import (SparseConv1d, SparseConv2d, SparseConv3d, SparseConvolution,
+                            SparseConvTranspose1d, SparseConvTranspose2d, SparseConvTranspose3d,
+                            SparseInverseConv1d, SparseInverseConv2d, SparseInverseConv3d,
+                            SparseModule, SubMConv1d, SubMConv2d, SubMConv3d)
 from . import spconv_functional as functional
 from .spconv_modules import (AddTable, AddTableMisaligned, ConcatTable, ConvAlgo, Identity,
                              JoinTable, RemoveGrid, SparseBatchNorm, SparseIdentity, SparseReLU,
                              SparseSyncBatchNorm, assign_name_for_sparse_modules)
-from .spconv_pool import (SparseAvgPool, SparseAvgPool2d, SparseAvgPool3d, SparseGlobalAvgPool,
-                          SparseGlobalMaxPool, SparseMaxPool, SparseMaxPool2d, SparseMaxPool3d)
+from .spconv_pool import (SparseAvgPool, SparseAvgPool1d, SparseAvgPool2d, SparseAvgPool3d,
+                          SparseGlobalAvgPool, SparseGlobalMaxPool, SparseMaxPool, SparseMaxPool1d,
+                          SparseMaxPool2d, SparseMaxPool3d)
 
 __all__ = ["AddTable", "AddTableMisaligned", "ConcatTable", "ConvAlgo", "Identity", "JoinTable",
            "RemoveGrid", "SparseBatchNorm", "SparseIdentity", "SparseReLU", "SparseSyncBatchNorm",
-           "assign_name_for_sparse_modules", "functional", "IndiceData", "SparseAvgPool", "SparseAvgPool2d", "SparseAvgPool3d", "SparseConv2d",
+           "assign_name_for_sparse_modules", "functional", "IndiceData", "SparseAvgPool1d",
+           "SparseConv1d", "SparseConvTranspose1d", "SparseInverseConv1d", "SparseMaxPool1d",
+           "SubMConv1d", "SparseAvgPool", "SparseAvgPool2d", "SparseAvgPool3d", "SparseConv2d",
            "SparseConvTranspose2d", "SparseInverseConv2d", "SparseMaxPool2d", "SubMConv2d", "SparseConv3d", "SparseConvTensor",
            "SparseConvTranspose3d", "SparseConvolution", "SparseGlobalAvgPool",
            "SparseGlobalMaxPool", "SparseInverseConv3d", "SparseMaxPool", "SparseMaxPool3d",

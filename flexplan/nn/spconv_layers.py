@@ -48,23 +48,23 @@ class _LoadsNativeLayout(torch.nn.Module):
 
 
 def lift(value, ndim: int, name: str, unit: int):
-    """A 3D layer argument from an ndim-D one: 3D as is; 2D (spconv's 2D layers, whose tensors
-    have a unit third axis inside) gets `unit` on the third axis (kernel, stride, dilation 1;
-    padding 0)."""
+    """A 3D layer argument from an ndim-D one: 3D as is; 2D / 1D (spconv's 2D / 1D layers,
+    whose tensors have unit axes inside) gets `unit` on the missing axes (kernel, stride,
+    dilation 1; padding 0)."""
     if ndim == 3:
         return value
-    if ndim != 2:
-        raise NotImplementedError(f"flexplan layers are 2D or 3D; got ndim={ndim}")
-    pair = (value, value) if isinstance(value, int) else tuple(value)
-    if len(pair) != 2:
-        raise ValueError(f"{name} of a 2D layer needs 2 entries, got {value}")
-    return (*pair, unit)
+    if ndim not in (1, 2):
+        raise NotImplementedError(f"flexplan layers are 1D, 2D or 3D; got ndim={ndim}")
+    given = (value,) * ndim if isinstance(value, int) else tuple(value)
+    if len(given) != ndim:
+        raise ValueError(f"{name} of a {ndim}D layer needs {ndim} entries, got {value}")
+    return (*given, *(unit,) * (3 - ndim))
 
 
 def check_ndim(module, x) -> None:
     if x.ndim != module.ndim:
         raise ValueError(f"{type(module).__name__} is a {module.ndim}D layer; got a {x.ndim}D "
-                         f"tensor ({'[N, 3]' if x.ndim == 2 else '[N, 4]'} indices)")
+                         f"tensor ([N, {x.ndim + 1}] indices)")
 
 
 def algo_name(algo) -> str:
@@ -139,9 +139,10 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
     reset_parameters = _SubMConv3d.reset_parameters  # +-1/sqrt(fan_in), like flexplan's own
 
     def conv_weight(self) -> torch.Tensor:
-        """The weight as the 3D op takes it: [Co, K0, K1, K2, Ci] (a 2D layer's [Co, K0, K1, Ci]
-        viewed with a unit K2)."""
-        return self.weight if self.ndim == 3 else self.weight.unsqueeze(3)
+        """The weight as the 3D op takes it: [Co, K0, K1, K2, Ci] (a 2D / 1D layer's
+        [Co, K0, K1, Ci] / [Co, K0, Ci] viewed with unit kernel axes)."""
+        return self.weight.view(self.weight.shape[0], *self.geometry.kernel_size,
+                                self.weight.shape[-1])
 
     def forward(self, x: SparseConvTensor) -> SparseConvTensor:
         _check_input(self, x)
@@ -252,12 +253,15 @@ class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
         # padding is moot: submanifold outputs are the input sites (spconv ignores it too).
         super().__init__(in_channels, out_channels, kernel_size, dilation, bias,
                          algo=algo_name(algo), allow_tf32=allow_tf32, device=device, dtype=dtype)
-        if self.ndim == 2:  # spconv's 2D layout [Co, K0, K1, Ci], viewed with a unit K2
-            self.weight = torch.nn.Parameter(self.weight.detach().squeeze(3))
+        if self.ndim < 3:  # spconv's layout [Co, K0, (K1,) Ci], viewed with unit kernel axes
+            co, *kernel, ci = self.weight.shape
+            self.weight = torch.nn.Parameter(
+                self.weight.detach().reshape(co, *kernel[:self.ndim], ci).clone())
         self.name, self.indice_key = name, indice_key
 
     def conv_weight(self) -> torch.Tensor:
-        return self.weight if self.ndim == 3 else self.weight.unsqueeze(3)
+        return self.weight.view(self.weight.shape[0], *self.geometry.kernel_size,
+                                self.weight.shape[-1])
 
     def forward(self, x: SparseConvTensor) -> SparseConvTensor:
         _check_input(self, x)
@@ -275,3 +279,31 @@ class SubMConv2d(SubMConv3d):
     """spconv's SubMConv2d: indices [N, 3] (batch, d0, d1), weight [Co, K0, K1, Ci]."""
 
     ndim = 2
+
+
+class SubMConv1d(SubMConv3d):
+    """spconv's SubMConv1d: indices [N, 2] (batch, d0), weight [Co, K0, Ci]."""
+
+    ndim = 1
+
+
+class SparseConv1d(SparseConvolution):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, bias=True, indice_key=None, algo=None, name=None, **kwargs):
+        super().__init__(1, in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, indice_key=indice_key, algo=algo, name=name, **kwargs)
+
+
+class SparseConvTranspose1d(SparseConvolution):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, bias=True, indice_key=None, algo=None, name=None, **kwargs):
+        super().__init__(1, in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, transposed=True, indice_key=indice_key, algo=algo,
+                         name=name, **kwargs)
+
+
+class SparseInverseConv1d(SparseConvolution):
+    def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, algo=None,
+                 name=None, **kwargs):
+        super().__init__(1, in_channels, out_channels, kernel_size, bias=bias, inverse=True,
+                         indice_key=indice_key, algo=algo, name=name, **kwargs)

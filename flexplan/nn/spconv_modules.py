@@ -158,6 +158,7 @@ def sparse_add(*tensors: SparseConvTensor) -> SparseConvTensor:
     out = feats.new_zeros((uniq.shape[0], feats.shape[1])).index_add(0, rows, feats)
     coords = unpack_keys(uniq, grid).to(torch.int32)
     result = SparseConvTensor(out, coords, grid, batch, check=False)
-    if first.ndim == 2:  # the same 2D view as the inputs
-        result = SparseConvTensor(out, coords[:, :3], grid[:2], batch, check=False)
+    if first.ndim < 3:  # the same 2D / 1D view as the inputs
+        result = SparseConvTensor(out, coords[:, :1 + first.ndim], grid[:first.ndim], batch,
+                                  check=False)
     return result

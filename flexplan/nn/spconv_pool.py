@@ -26,7 +26,7 @@ def _check_input(module, x) -> None:
 
 
 class SparsePool(SparseModule):
-    """spconv's SparseMaxPool / SparseAvgPool (ndim 3, or 2 for [N, 3] indices). subm=True pools each voxel's
+    """spconv's SparseMaxPool / SparseAvgPool (ndim 3, or 2 / 1 for [N, 3] / [N, 2] indices). subm=True pools each voxel's
     neighbourhood onto the voxel itself (output coordinates = input coordinates). algo and
     record_voxel_count are accepted for spconv compatibility (flexplan picks its own kernels)."""
 
@@ -114,6 +114,20 @@ class SparseAvgPool2d(SparseAvgPool):
     def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
                  algo=None, record_voxel_count: bool = False, name=None):
         super().__init__(2, kernel_size, stride, padding, dilation, indice_key=indice_key,
+                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+
+
+class SparseMaxPool1d(SparseMaxPool):
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
+                 algo=None, record_voxel_count: bool = False, name=None):
+        super().__init__(1, kernel_size, stride, padding, dilation, indice_key=indice_key,
+                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+
+
+class SparseAvgPool1d(SparseAvgPool):
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
+                 algo=None, record_voxel_count: bool = False, name=None):
+        super().__init__(1, kernel_size, stride, padding, dilation, indice_key=indice_key,
                          algo=algo, record_voxel_count=record_voxel_count, name=name)
 
 

@@ -219,13 +219,18 @@ _resolve_algo, _gather_gemm, _wgrad = resolve_algo, gather_gemm, wgrad
 
 # ---------------------------------------------------------------- autograd
 
+def conv_forward(feats, weight, bias, plan: ConvPlan, algo: str, allow_tf32: bool):
+    """The forward of SparseConvFunction (weight [Co, V, Ci], tensors contiguous)."""
+    co, v, ci = weight.shape
+    fwd_algo = resolve_algo(algo, "fwd", plan.num_out, ci, co, v,
+                            _dtype_name(feats.dtype, allow_tf32))
+    return gather_gemm(feats, weight, bias, plan.fwd, False, "fwd", fwd_algo, allow_tf32)
+
+
 class SparseConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, feats, weight, bias, plan: ConvPlan, algo: str, allow_tf32: bool):
-        co, v, ci = weight.shape
-        fwd_algo = resolve_algo(algo, "fwd", plan.num_out, ci, co, v,
-                                _dtype_name(feats.dtype, allow_tf32))
-        out = gather_gemm(feats, weight, bias, plan.fwd, False, "fwd", fwd_algo, allow_tf32)
+        out = conv_forward(feats, weight, bias, plan, algo, allow_tf32)
         ctx.save_for_backward(feats, weight)
         ctx.plan, ctx.algo, ctx.allow_tf32, ctx.has_bias = plan, algo, allow_tf32, bias is not None
         return out
@@ -340,5 +345,11 @@ def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
     # Under autocast the op's own torch ops (sums, explicit GEMMs) must not cast again.
     scope = (torch.autocast(feats.device.type, enabled=False) if cast is not None
              else contextlib.nullcontext())
+    # Nothing to differentiate (inference, no_grad): the forward without autograd's node and
+    # saved tensors (host time per call in a host-bound step).
+    differentiable = torch.is_grad_enabled() and (
+        feats.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
     with on_device_of(feats), scope:
+        if not differentiable:
+            return conv_forward(feats.contiguous(), w, b, plan, algo, bool(allow_tf32))
         return SparseConvFunction.apply(feats.contiguous(), w, b, plan, algo, bool(allow_tf32))

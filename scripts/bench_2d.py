@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-2d-"))
 
 import flexplan.nn.spconv as fx  # noqa: E402
-from bench_common import host_launch_us, today  # noqa: E402
-from bench_pool import sorted_rows, time_steps  # noqa: E402
+from bench_common import host_launch_us, sorted_rows, time_steps, today  # noqa: E402
 from flexplan.cache import plan_cache  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
 

@@ -49,3 +49,32 @@ def host_launch_us(launches: int = 2000) -> float:
         runs.append((time.perf_counter() - start) / launches * 1e6)
     torch.cuda.synchronize()
     return statistics.median(runs)
+
+
+def sorted_rows(indices, feats):
+    """feats in the order of their [N, 4] coordinates (libraries order outputs differently)."""
+    import torch
+
+    key = indices.long()
+    flat = ((key[:, 0] * 4096 + key[:, 1]) * 4096 + key[:, 2]) * 4096 + key[:, 3]
+    return feats[torch.argsort(flat)]
+
+
+def time_steps(step, batches, warmup: int) -> float:
+    """Median ms of step(b) over batches[warmup:], synchronized around each call, after
+    step(b) for the first `warmup` batches."""
+    import statistics
+    import time
+
+    import torch
+
+    for b in batches[:warmup]:
+        step(b)
+    times = []
+    for b in batches[warmup:]:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(b)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)

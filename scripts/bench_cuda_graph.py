@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -18,22 +16,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import flexplan.nn.spconv as sp  # noqa: E402
-from bench_common import host_launch_us, today  # noqa: E402
+from bench_common import host_launch_us, time_steps, today  # noqa: E402
 from e2e_networks import LidarUNet, VoxelResBackBone8x  # noqa: E402
 from flexplan.workloads import random_coords  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "bench_cuda_graph.md"
-
-
-def median_ms(fn, reps: int = 50) -> float:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -63,9 +50,10 @@ def main() -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph):
             net(x)
+        calls = [None] * 50
         with torch.no_grad():
-            eager = median_ms(lambda: net(x))
-        replay = median_ms(graph.replay)
+            eager = time_steps(lambda _: net(x), calls, 0)
+        replay = time_steps(lambda _: graph.replay(), calls, 0)
         row = f"| {name} | {eager:.3f} | {replay:.3f} | {eager / replay:.1f}x |"
         print(row, flush=True)
         lines.append(row)

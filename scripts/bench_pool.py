@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -24,33 +22,13 @@ os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-po
 
 import flexplan.nn.spconv as fx  # noqa: E402
 from flexplan.cache import plan_cache  # noqa: E402
-from bench_common import host_launch_us, today  # noqa: E402
+from bench_common import host_launch_us, sorted_rows, time_steps, today  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "bench_pool.md"
 # (name, layer class name, args): the pools of sparse backbones.
 LAYERS = [("max 2/2", "SparseMaxPool3d", (2, 2)), ("max 3/2 p1", "SparseMaxPool3d", (3, 2, 1)),
           ("avg 2/2", "SparseAvgPool3d", (2, 2))]
-
-
-def sorted_rows(indices: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-    """feats in the order of their coordinates (the libraries order outputs differently)."""
-    key = indices.long()
-    flat = ((key[:, 0] * 4096 + key[:, 1]) * 4096 + key[:, 2]) * 4096 + key[:, 3]
-    return feats[torch.argsort(flat)]
-
-
-def time_steps(step, batches, warmup: int) -> float:
-    for b in batches[:warmup]:
-        step(b)
-    times = []
-    for b in batches[warmup:]:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step(b)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -61,6 +61,12 @@ def lift(value, ndim: int, name: str, unit: int):
     return (*given, *(unit,) * (3 - ndim))
 
 
+def op_weight(weight: torch.Tensor, geometry: ConvGeometry) -> torch.Tensor:
+    """The weight as the 3D op takes it: [Co, K0, K1, K2, Ci] (a 2D / 1D layer's
+    [Co, K0, K1, Ci] / [Co, K0, Ci] viewed with unit kernel axes)."""
+    return weight.view(weight.shape[0], *geometry.kernel_size, weight.shape[-1])
+
+
 def check_ndim(module, x) -> None:
     if x.ndim != module.ndim:
         raise ValueError(f"{type(module).__name__} is a {module.ndim}D layer; got a {x.ndim}D "
@@ -139,10 +145,7 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
     reset_parameters = _SubMConv3d.reset_parameters  # +-1/sqrt(fan_in), like flexplan's own
 
     def conv_weight(self) -> torch.Tensor:
-        """The weight as the 3D op takes it: [Co, K0, K1, K2, Ci] (a 2D / 1D layer's
-        [Co, K0, K1, Ci] / [Co, K0, Ci] viewed with unit kernel axes)."""
-        return self.weight.view(self.weight.shape[0], *self.geometry.kernel_size,
-                                self.weight.shape[-1])
+        return op_weight(self.weight, self.geometry)
 
     def forward(self, x: SparseConvTensor) -> SparseConvTensor:
         _check_input(self, x)
@@ -183,53 +186,65 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
         return s + f", bias={self.bias is not None}, indice_key={self.indice_key!r}, algo={self.algo!r}"
 
 
-class SparseConv3d(SparseConvolution):
+class _StridedNd(SparseConvolution):
+    """spconv's SparseConvNd / SparseConvTransposeNd constructor for a class's _NDIM (1D / 2D:
+    indices [N, 2] / [N, 3], weights [Co, K0, Ci] / [Co, K0, K1, Ci])."""
+
+    _NDIM, _TRANSPOSED = 3, False
+
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
                  groups=1, bias=True, indice_key=None, algo=None, name=None, **kwargs):
-        super().__init__(3, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, indice_key=indice_key, algo=algo, name=name, **kwargs)
+        super().__init__(self._NDIM, in_channels, out_channels, kernel_size, stride, padding,
+                         dilation, groups, bias, transposed=self._TRANSPOSED,
+                         indice_key=indice_key, algo=algo, name=name, **kwargs)
 
 
-class SparseConvTranspose3d(SparseConvolution):
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, name=None, **kwargs):
-        super().__init__(3, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, transposed=True, indice_key=indice_key, algo=algo,
-                         name=name, **kwargs)
-
-
-class SparseInverseConv3d(SparseConvolution):
+class _InverseNd(SparseConvolution):
     """Maps the output of the conv named by indice_key back onto that conv's input coords,
     with the paired conv's stride, padding and dilation (only the kernel size is given)."""
 
+    _NDIM = 3
+
     def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, algo=None,
                  name=None, **kwargs):
-        super().__init__(3, in_channels, out_channels, kernel_size, bias=bias, inverse=True,
-                         indice_key=indice_key, algo=algo, name=name, **kwargs)
+        super().__init__(self._NDIM, in_channels, out_channels, kernel_size, bias=bias,
+                         inverse=True, indice_key=indice_key, algo=algo, name=name, **kwargs)
 
 
-class SparseConv2d(SparseConvolution):
-    """spconv's SparseConv2d: indices [N, 3] (batch, d0, d1), weight [Co, K0, K1, Ci]."""
-
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, name=None, **kwargs):
-        super().__init__(2, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, indice_key=indice_key, algo=algo, name=name, **kwargs)
+class SparseConv3d(_StridedNd):
+    _NDIM = 3
 
 
-class SparseConvTranspose2d(SparseConvolution):
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, name=None, **kwargs):
-        super().__init__(2, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, transposed=True, indice_key=indice_key, algo=algo,
-                         name=name, **kwargs)
+class SparseConv2d(_StridedNd):
+    _NDIM = 2
 
 
-class SparseInverseConv2d(SparseConvolution):
-    def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, algo=None,
-                 name=None, **kwargs):
-        super().__init__(2, in_channels, out_channels, kernel_size, bias=bias, inverse=True,
-                         indice_key=indice_key, algo=algo, name=name, **kwargs)
+class SparseConv1d(_StridedNd):
+    _NDIM = 1
+
+
+class SparseConvTranspose3d(_StridedNd):
+    _NDIM, _TRANSPOSED = 3, True
+
+
+class SparseConvTranspose2d(_StridedNd):
+    _NDIM, _TRANSPOSED = 2, True
+
+
+class SparseConvTranspose1d(_StridedNd):
+    _NDIM, _TRANSPOSED = 1, True
+
+
+class SparseInverseConv3d(_InverseNd):
+    _NDIM = 3
+
+
+class SparseInverseConv2d(_InverseNd):
+    _NDIM = 2
+
+
+class SparseInverseConv1d(_InverseNd):
+    _NDIM = 1
 
 
 class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
@@ -260,8 +275,7 @@ class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
         self.name, self.indice_key = name, indice_key
 
     def conv_weight(self) -> torch.Tensor:
-        return self.weight.view(self.weight.shape[0], *self.geometry.kernel_size,
-                                self.weight.shape[-1])
+        return op_weight(self.weight, self.geometry)
 
     def forward(self, x: SparseConvTensor) -> SparseConvTensor:
         _check_input(self, x)
@@ -285,25 +299,3 @@ class SubMConv1d(SubMConv3d):
     """spconv's SubMConv1d: indices [N, 2] (batch, d0), weight [Co, K0, Ci]."""
 
     ndim = 1
-
-
-class SparseConv1d(SparseConvolution):
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, name=None, **kwargs):
-        super().__init__(1, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, indice_key=indice_key, algo=algo, name=name, **kwargs)
-
-
-class SparseConvTranspose1d(SparseConvolution):
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, name=None, **kwargs):
-        super().__init__(1, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, transposed=True, indice_key=indice_key, algo=algo,
-                         name=name, **kwargs)
-
-
-class SparseInverseConv1d(SparseConvolution):
-    def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, algo=None,
-                 name=None, **kwargs):
-        super().__init__(1, in_channels, out_channels, kernel_size, bias=bias, inverse=True,
-                         indice_key=indice_key, algo=algo, name=name, **kwargs)

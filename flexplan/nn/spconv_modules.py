@@ -32,7 +32,7 @@ def assign_name_for_sparse_modules(module: torch.nn.Module) -> None:
             child._sparse_unique_name = name
 
 
-def _feature_wise(base):
+def _feature_wise(base, name: str):
     """A torch module that maps a SparseConvTensor's features (and plain tensors as before)."""
 
     class FeatureWise(base):
@@ -41,16 +41,15 @@ def _feature_wise(base):
                 return input.replace_feature(super().forward(input.features))
             return super().forward(input)
 
-    FeatureWise.__name__ = FeatureWise.__qualname__ = "Sparse" + base.__name__
-    FeatureWise.__doc__ = f"spconv's Sparse{base.__name__}: torch's {base.__name__} on the features."
+    FeatureWise.__name__ = FeatureWise.__qualname__ = name
+    FeatureWise.__doc__ = f"spconv's {name}: torch's {base.__name__} on the features."
     return FeatureWise
 
 
-SparseBatchNorm = _feature_wise(torch.nn.BatchNorm1d)
-SparseBatchNorm.__name__ = SparseBatchNorm.__qualname__ = "SparseBatchNorm"
-SparseSyncBatchNorm = _feature_wise(torch.nn.SyncBatchNorm)
-SparseReLU = _feature_wise(torch.nn.ReLU)
-SparseIdentity = _feature_wise(torch.nn.Identity)
+SparseBatchNorm = _feature_wise(torch.nn.BatchNorm1d, "SparseBatchNorm")
+SparseSyncBatchNorm = _feature_wise(torch.nn.SyncBatchNorm, "SparseSyncBatchNorm")
+SparseReLU = _feature_wise(torch.nn.ReLU, "SparseReLU")
+SparseIdentity = _feature_wise(torch.nn.Identity, "SparseIdentity")
 
 
 class Identity(torch.nn.Module):
@@ -69,16 +68,25 @@ class RemoveGrid(SparseModule):
         return x
 
 
-def _check_same_sites(tensors, what: str) -> None:
+def _same_grid(tensors, what: str) -> None:
     first = tensors[0]
     for t in tensors[1:]:
         if not isinstance(t, SparseConvTensor):
             raise TypeError(f"{what} takes SparseConvTensors, got {type(t).__name__}")
         if t.batch_size != first.batch_size or t.grid_shape != first.grid_shape:
             raise ValueError(f"{what}: inputs differ in batch size or spatial shape")
-        same = t.coords is first.coords or t._plans is first._plans or (
-            t.coords.shape == first.coords.shape and torch.equal(t.coords, first.coords))
-        if not same:
+
+
+def _same_sites(a: SparseConvTensor, b: SparseConvTensor) -> bool:
+    """The same coordinates in the same row order (shared ones need no device compare)."""
+    return a.coords is b.coords or a._plans is b._plans or (
+        a.coords.shape == b.coords.shape and bool(torch.equal(a.coords, b.coords)))
+
+
+def _check_same_sites(tensors, what: str) -> None:
+    _same_grid(tensors, what)
+    for t in tensors[1:]:
+        if not _same_sites(tensors[0], t):
             raise ValueError(f"{what} needs inputs over the same coordinates (in the same row "
                              "order); add tensors of different coordinates with "
                              "functional.sparse_add (AddTableMisaligned)")
@@ -141,16 +149,11 @@ def sparse_add(*tensors: SparseConvTensor) -> SparseConvTensor:
     if not tensors:
         raise ValueError("sparse_add needs at least one tensor")
     first = tensors[0]
-    try:
-        _check_same_sites(tensors, "sparse_add")
-        return AddTable()(list(tensors))
-    except ValueError:
-        pass  # different coordinates: the union below
-    for t in tensors[1:]:
-        if t.batch_size != first.batch_size or t.grid_shape != first.grid_shape:
-            raise ValueError("sparse_add: inputs differ in batch size or spatial shape")
-        if t.features.shape[1] != first.features.shape[1]:
-            raise ValueError("sparse_add: inputs have different channel counts")
+    _same_grid(tensors, "sparse_add")
+    if any(t.features.shape[1] != first.features.shape[1] for t in tensors):
+        raise ValueError("sparse_add: inputs have different channel counts")
+    if all(_same_sites(first, t) for t in tensors[1:]):
+        return first.replace_feature(sum(t.features for t in tensors))
     grid, batch = first.grid_shape, first.batch_size
     keys = torch.cat([pack_coords(t.coords, grid, batch) for t in tensors])
     feats = torch.cat([t.features for t in tensors])

@@ -89,46 +89,41 @@ class SparseAvgPool(SparsePool):
     mode = "avg"
 
 
-class SparseMaxPool3d(SparseMaxPool):
+class _PoolNd(SparsePool):
+    """spconv's SparseMaxPoolNd / SparseAvgPoolNd constructor for a class's _NDIM; the mode comes
+    from the SparseMaxPool / SparseAvgPool base listed after this one."""
+
+    _NDIM = 3
+
     def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
                  algo=None, record_voxel_count: bool = False, name=None):
-        super().__init__(3, kernel_size, stride, padding, dilation, indice_key=indice_key,
-                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+        super().__init__(self._NDIM, kernel_size, stride, padding, dilation,
+                         indice_key=indice_key, algo=algo,
+                         record_voxel_count=record_voxel_count, name=name)
 
 
-class SparseAvgPool3d(SparseAvgPool):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
-                 algo=None, record_voxel_count: bool = False, name=None):
-        super().__init__(3, kernel_size, stride, padding, dilation, indice_key=indice_key,
-                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+class SparseMaxPool3d(_PoolNd, SparseMaxPool):
+    _NDIM = 3
 
 
-class SparseMaxPool2d(SparseMaxPool):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
-                 algo=None, record_voxel_count: bool = False, name=None):
-        super().__init__(2, kernel_size, stride, padding, dilation, indice_key=indice_key,
-                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+class SparseMaxPool2d(_PoolNd, SparseMaxPool):
+    _NDIM = 2
 
 
-class SparseAvgPool2d(SparseAvgPool):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
-                 algo=None, record_voxel_count: bool = False, name=None):
-        super().__init__(2, kernel_size, stride, padding, dilation, indice_key=indice_key,
-                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+class SparseMaxPool1d(_PoolNd, SparseMaxPool):
+    _NDIM = 1
 
 
-class SparseMaxPool1d(SparseMaxPool):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
-                 algo=None, record_voxel_count: bool = False, name=None):
-        super().__init__(1, kernel_size, stride, padding, dilation, indice_key=indice_key,
-                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+class SparseAvgPool3d(_PoolNd, SparseAvgPool):
+    _NDIM = 3
 
 
-class SparseAvgPool1d(SparseAvgPool):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, indice_key=None,
-                 algo=None, record_voxel_count: bool = False, name=None):
-        super().__init__(1, kernel_size, stride, padding, dilation, indice_key=indice_key,
-                         algo=algo, record_voxel_count=record_voxel_count, name=name)
+class SparseAvgPool2d(_PoolNd, SparseAvgPool):
+    _NDIM = 2
+
+
+class SparseAvgPool1d(_PoolNd, SparseAvgPool):
+    _NDIM = 1
 
 
 class SparseGlobalMaxOrAvgPool(SparseModule):

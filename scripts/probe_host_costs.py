@@ -43,6 +43,15 @@ def main():
             fn = lambda: build_plan(coords, shape, 2, geom, check=False, training=training)
             print(f"build_plan {name:8s} training={training!s:5s}: {host_ms(fn):.3f} ms", flush=True)
     feats = batch.features.half()
+    w16 = torch.randn(16, 3, 3, 3, feats.shape[1], device="cuda", dtype=torch.float16) * 0.05
+    for name, geom in (("subm", subm), ("strided", down)):
+        for training in (True, False):
+            def build_and_conv():  # a fresh plan's first convolution derives its views
+                plan = build_plan(coords, shape, 2, geom, check=False, training=training)
+                with torch.no_grad():
+                    ops.sparse_conv(feats, plan, w16, None)
+            print(f"build_plan + first conv fwd {name:8s} training={training!s:5s}: "
+                  f"{host_ms(build_and_conv):.3f} ms", flush=True)
 
     def layer_path():
         x = sp.SparseConvTensor(feats, coords, list(shape), 2)

@@ -1,17 +1,19 @@
 """Drop-in namespace for spconv users: `import flexplan.nn.spconv as spconv` where the code had
 `import spconv.pytorch as spconv`. Same names, constructors and weight layout (see
-docs/migrating_from_spconv.md); here SubMConv3d is the spconv-compatible one."""
-from .sparse_conv_tensor import IndiceData, SparseConvTensor
-from .sparse_sequential import SparseSequential, ToDense
-from .spconv_layers import (SparseConv1d, SparseConv2d, SparseConv3d, SparseConvolution,
+docs/migrating_from_spconv.md); here SubMConv3d is the spconv-compatible one. A package, as
+spconv.pytorch is: `from flexplan.nn.spconv.utils import PointToVoxel` and
+`flexplan.nn.spconv.functional` import as spconv's do."""
+from ..sparse_conv_tensor import IndiceData, SparseConvTensor
+from ..sparse_sequential import SparseSequential, ToDense
+from ..spconv_layers import (SparseConv1d, SparseConv2d, SparseConv3d, SparseConvolution,
                             SparseConvTranspose1d, SparseConvTranspose2d, SparseConvTranspose3d,
                             SparseInverseConv1d, SparseInverseConv2d, SparseInverseConv3d,
                             SparseModule, SubMConv1d, SubMConv2d, SubMConv3d)
-from . import spconv_functional as functional
-from .spconv_modules import (AddTable, AddTableMisaligned, ConcatTable, ConvAlgo, Identity,
+from . import functional, utils
+from ..spconv_modules import (AddTable, AddTableMisaligned, ConcatTable, ConvAlgo, Identity,
                              JoinTable, RemoveGrid, SparseBatchNorm, SparseIdentity, SparseReLU,
                              SparseSyncBatchNorm, assign_name_for_sparse_modules)
-from .spconv_pool import (SparseAvgPool, SparseAvgPool1d, SparseAvgPool2d, SparseAvgPool3d,
+from ..spconv_pool import (SparseAvgPool, SparseAvgPool1d, SparseAvgPool2d, SparseAvgPool3d,
                           SparseGlobalAvgPool, SparseGlobalMaxPool, SparseMaxPool, SparseMaxPool1d,
                           SparseMaxPool2d, SparseMaxPool3d)
 
@@ -23,4 +25,4 @@ __all__ = ["AddTable", "AddTableMisaligned", "ConcatTable", "ConvAlgo", "Identit
            "SparseConvTranspose2d", "SparseInverseConv2d", "SparseMaxPool2d", "SubMConv2d", "SparseConv3d", "SparseConvTensor",
            "SparseConvTranspose3d", "SparseConvolution", "SparseGlobalAvgPool",
            "SparseGlobalMaxPool", "SparseInverseConv3d", "SparseMaxPool", "SparseMaxPool3d",
-           "SparseModule", "SparseSequential", "SubMConv3d", "ToDense"]
+           "SparseModule", "SparseSequential", "SubMConv3d", "ToDense", "utils"]

@@ -4,6 +4,10 @@ every rank, flexplan and spconv in the same run (scripts/ddp_train.py runs the r
 
 Usage (GPU machine with 2 GPUs): python3 scripts/bench_ddp.py [--network encoder]
        [--world-sizes 1,2] [--libraries flexplan,spconv] [--steps 30] [--warmup 10]
+       [--sync-bn-impl torch|flexplan|torch,flexplan]
+--sync-bn-impl picks whose SyncBatchNorm the flexplan runs use (torch's nn.SyncBatchNorm, the
+default, or flexplan.nn.SyncBatchNorm, which never syncs with the host; both: a row each);
+spconv runs always use torch's, so the library comparison stays the one its users get.
 Results: scripts/results/bench_ddp.jsonl (one JSON line per library and world size, with a
 world_size field) and bench_ddp.md.
 """
@@ -43,9 +47,15 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--no-sync-bn", action="store_true",
                         help="plain BatchNorm (per-rank statistics) instead of SyncBatchNorm")
+    parser.add_argument("--sync-bn-impl", default="torch",
+                        help="the flexplan runs' SyncBatchNorm: torch, flexplan, or both "
+                             "(torch,flexplan); spconv runs always use torch's")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     sizes = [int(w) for w in args.world_sizes.split(",")]
+    impls = args.sync_bn_impl.split(",")
+    if not impls or set(impls) - {"torch", "flexplan"}:
+        parser.error(f"--sync-bn-impl {args.sync_bn_impl}: torch, flexplan or torch,flexplan")
     if max(sizes) > torch.cuda.device_count():
         parser.error(f"--world-sizes {args.world_sizes}: only {torch.cuda.device_count()} GPUs")
     import triton
@@ -55,21 +65,27 @@ def main() -> int:
             "network": args.network, "dtype": args.dtype, "scans_per_rank": args.scans_per_rank,
             "steps": args.steps, "warmup": args.warmup, "sync_bn": not args.no_sync_bn}
     rows = []
-    for library in args.libraries.split(","):
+    runs = [(library, impl) for library in args.libraries.split(",")
+            for impl in (impls if library == "flexplan" and not args.no_sync_bn else ["torch"])]
+    for library, impl in runs:
+        # which BatchNorm ran, for the row: per-rank BatchNorm, or whose SyncBatchNorm
+        bn = "per-rank" if args.no_sync_bn else impl
         for world in sizes:
             job = ddp_train.Job(library=library, network=args.network, dtype=args.dtype,
                                 scans_per_rank=args.scans_per_rank, steps=args.steps,
-                                warmup=args.warmup, sync_bn=not args.no_sync_bn)
+                                warmup=args.warmup, sync_bn=not args.no_sync_bn,
+                                sync_bn_impl=impl)
             try:
                 results = ddp_train.run(world, job)
             except Exception as exc:  # noqa: BLE001 - a peer that fails is a row, not a stop
-                rows.append({**meta, "library": library, "world_size": world,
+                rows.append({**meta, "library": library, "batchnorm": bn, "world_size": world,
                              "error": f"{type(exc).__name__}: {exc}"[:300]})
-                print(f"{library} world_size={world}: {rows[-1]['error']}", flush=True)
+                print(f"{library} ({bn}) world_size={world}: {rows[-1]['error']}", flush=True)
                 continue
             times = step_times(results)
             ms = statistics.median(times) * 1e3
-            row = {**meta, "library": library, "world_size": world, "step_ms": round(ms, 2),
+            row = {**meta, "library": library, "batchnorm": bn, "world_size": world,
+                   "step_ms": round(ms, 2),
                    "scans_per_s": round(world * args.scans_per_rank / (ms / 1e3), 1),
                    "voxels_per_rank": round(statistics.mean(r["voxels"] for r in results)),
                    "compiles": sum(r["compiles"] for r in results)}
@@ -94,26 +110,38 @@ def summary(rows: list[dict], meta: dict) -> list[str]:
              f"step, fresh coordinates every step on every rank; "
              f"{'SyncBatchNorm' if meta['sync_bn'] else 'BatchNorm (per rank)'}, NCCL; "
              f"{meta['warmup']} warm-up steps, then the median of {meta['steps']} (the slowest "
-             "rank's time per step).", "",
-             "| library | GPUs | step ms | scans/s | scaling vs 1 GPU | voxels per rank | compiles |",
-             "|---|---|---|---|---|---|---|"]
-    one = {r["library"]: r.get("scans_per_s") for r in rows if r["world_size"] == 1}
+             "rank's time per step). BatchNorm column: whose SyncBatchNorm ran (torch: "
+             "nn.SyncBatchNorm; flexplan: flexplan.nn.SyncBatchNorm, no host syncs), or "
+             "per-rank BatchNorm.", "",
+             "| library | BatchNorm | GPUs | step ms | scans/s | scaling vs 1 GPU "
+             "| voxels per rank | compiles |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def key(r):  # rows from before the BatchNorm column ran torch's SyncBatchNorm or per-rank
+        return r["library"], r.get("batchnorm", "torch" if meta["sync_bn"] else "per-rank")
+
+    one = {key(r): r.get("scans_per_s") for r in rows if r["world_size"] == 1}
     for r in rows:
+        library, bn = key(r)
         if "error" in r:
-            lines.append(f"| {r['library']} | {r['world_size']} | error | | | | |")
+            lines.append(f"| {library} | {bn} | {r['world_size']} | error | | | | |")
             continue
-        base = one.get(r["library"])
+        base = one.get(key(r))
         scale = f"{r['scans_per_s'] / base:.2f}x" if base else "-"
-        lines.append(f"| {r['library']} | {r['world_size']} | {r['step_ms']:.1f} | "
+        lines.append(f"| {library} | {bn} | {r['world_size']} | {r['step_ms']:.1f} | "
                      f"{r['scans_per_s']:.1f} | {scale} | {r['voxels_per_rank']} | {r['compiles']} |")
-    by = {(r["library"], r["world_size"]): r.get("scans_per_s") for r in rows}
+    by = {(*key(r), r["world_size"]): r.get("scans_per_s") for r in rows}
     for world in sorted({r["world_size"] for r in rows}):
-        fx, sp = by.get(("flexplan", world)), by.get(("spconv", world))
-        if fx and sp:
-            lines.append(f"\n{world} GPU(s): flexplan / spconv throughput {fx / sp:.2f}x")
+        sp = next((v for (lib, _, w), v in by.items() if lib == "spconv" and w == world), None)
+        for (lib, bn, w), fx in by.items():
+            if lib == "flexplan" and w == world and fx and sp:
+                what = "per-rank BatchNorm" if bn == "per-rank" else f"{bn}'s SyncBatchNorm"
+                lines.append(f"\n{world} GPU(s): flexplan ({what}) / spconv throughput "
+                             f"{fx / sp:.2f}x")
     errors = [r for r in rows if "error" in r]
     if errors:
-        lines += ["", "Errors:"] + [f"- {r['library']} x{r['world_size']}: {r['error']}" for r in errors]
+        lines += ["", "Errors:"] + [f"- {key(r)[0]} ({key(r)[1]}) x{r['world_size']}: {r['error']}"
+                                    for r in errors]
     return lines
 
 

@@ -4,7 +4,8 @@ shared by scripts/bench_ddp.py (throughput) and tests/test_ddp.py (gradients).
 Each rank trains on its own stream of fresh LiDAR-like batches (flexplan.workloads.lidar_batch,
 seeded by rank), as a data-parallel detector job does; every rank points FLEXPLAN_CACHE_DIR at
 the same directory. On GPUs rank r runs on cuda:r with SyncBatchNorm and NCCL; on the CPU, gloo
-and plain BatchNorm (SyncBatchNorm needs GPUs).
+and plain BatchNorm (torch's SyncBatchNorm needs GPUs), or flexplan's SyncBatchNorm where the
+job asks for it (sync_bn_impl="flexplan": it needs only all_reduce, which gloo has).
 
 run(world_size, job) spawns the ranks and returns what each rank's job wrote (a dict per rank).
 """
@@ -38,6 +39,9 @@ class Job:
     seed: int = 0
     cache_dir: str = ""  # shared by the ranks ("" : a new temp dir)
     sync_bn: bool = True  # SyncBatchNorm on GPUs (False: each rank's own statistics)
+    # whose SyncBatchNorm: "torch" (nn.SyncBatchNorm, GPUs only; it syncs with the host in
+    # every forward) or "flexplan" (flexplan.nn.SyncBatchNorm: no host syncs; CPU ranks too)
+    sync_bn_impl: str = "torch"
     record_grads: bool = False  # write each parameter's gradient after one step (no timing)
 
 
@@ -56,8 +60,15 @@ def make_model(job: Job, device: torch.device, distributed: bool) -> nn.Module:
     torch.manual_seed(job.seed)  # the same initial weights on every rank and in references
     sizes = sizes_for(job.small)
     net = NETWORKS[job.network](namespace(job.library), base=sizes.base)
-    if distributed and device.type == "cuda" and job.sync_bn:
-        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    if distributed and job.sync_bn:
+        if job.sync_bn_impl == "flexplan":
+            from flexplan.nn import convert_sync_batchnorm
+
+            net = convert_sync_batchnorm(net)
+        elif job.sync_bn_impl != "torch":
+            raise ValueError(f"sync_bn_impl {job.sync_bn_impl!r}: 'torch' or 'flexplan'")
+        elif device.type == "cuda":
+            net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     net = net.to(device)
     return net.half() if job.dtype == "fp16" else net
 

@@ -6,6 +6,8 @@ from . import spconv  # spconv-compatible namespace (its SubMConv3d takes spconv
 from .sparse_conv_tensor import SparseConvTensor
 from .sparse_sequential import SparseSequential, ToDense
 from .spconv_layers import SparseConv3d, SparseConvTranspose3d, SparseInverseConv3d, SparseModule
+from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm  # no host syncs (issue #26)
 
 __all__ += ["SparseConv3d", "SparseConvTensor", "SparseConvTranspose3d", "SparseInverseConv3d",
-            "SparseModule", "SparseSequential", "ToDense", "spconv"]
+            "SparseModule", "SparseSequential", "SyncBatchNorm", "ToDense",
+            "convert_sync_batchnorm", "spconv"]

@@ -14,6 +14,7 @@ import torch
 from ..planner.keys import pack_coords, unpack_keys
 from .sparse_conv_tensor import SparseConvTensor
 from .spconv_layers import SparseModule
+from .sync_batchnorm import SyncBatchNorm
 
 
 class ConvAlgo(enum.Enum):
@@ -42,12 +43,18 @@ def _feature_wise(base, name: str):
             return super().forward(input)
 
     FeatureWise.__name__ = FeatureWise.__qualname__ = name
-    FeatureWise.__doc__ = f"spconv's {name}: torch's {base.__name__} on the features."
+    owner = base.__module__.split(".")[0]  # torch, or flexplan (its SyncBatchNorm)
+    FeatureWise.__doc__ = f"spconv's {name}: {owner}'s {base.__name__} on the features."
     return FeatureWise
 
 
 SparseBatchNorm = _feature_wise(torch.nn.BatchNorm1d, "SparseBatchNorm")
 SparseSyncBatchNorm = _feature_wise(torch.nn.SyncBatchNorm, "SparseSyncBatchNorm")
+# flexplan.nn.convert_sync_batchnorm (opt-in: flexplan's SyncBatchNorm, no host syncs) turns
+# either into this one, which keeps mapping features. spconv's name stays torch's module.
+FlexSparseSyncBatchNorm = _feature_wise(SyncBatchNorm, "FlexSparseSyncBatchNorm")
+for _cls in (SparseBatchNorm, SparseSyncBatchNorm, FlexSparseSyncBatchNorm):
+    _cls._sync_batchnorm_class = FlexSparseSyncBatchNorm
 SparseReLU = _feature_wise(torch.nn.ReLU, "SparseReLU")
 SparseIdentity = _feature_wise(torch.nn.Identity, "SparseIdentity")
 

@@ -1,0 +1,404 @@
+"""SyncBatchNorm without host synchronization (issue #26).
+
+torch.nn.SyncBatchNorm all-gathers each rank's (mean, invstd, count) and then drops the ranks
+that had no rows with a boolean mask (torch/nn/modules/_functions.py). The mask's result has a
+data-dependent shape, so the host waits for the GPU there, in every training forward: 21 times
+per step of the LiDAR encoder. Two host-bound DDP ranks then run in lockstep with their GPUs
+and the 2-GPU step lost to one GPU (0.94x its throughput; 1.28x with per-rank BatchNorm).
+
+Here every collective is one all_reduce(SUM) of a fixed-size tensor, and nothing on the host
+depends on tensor values:
+- forward: each rank packs [count * mean (C), count * (var + mean^2) (C), count (1)] (sums of x
+  and x^2 over its rows, built from its local mean and biased variance) and all-reduces the
+  2C + 1 numbers once. A rank without rows adds zeros, so no rank has to be filtered out. The
+  packing and the global mean / variance are float64: the global variance is E[x^2] - mean^2,
+  whose cancellation at |x| ~ 100 would cost fp32 about four digits, while in float64 it stays
+  below fp32's rounding. The local statistics themselves are centred (Welford on CUDA, two-pass
+  var_mean elsewhere, fp32; fp64 for fp64 inputs), so large offsets cost nothing there.
+- running statistics: updated on the device like torch's (unbiased variance with the global
+  count; momentum, or the cumulative average 1 / num_batches_tracked when momentum is None,
+  which torch reads with .item()), with weight 0 where no rank had rows, so such a step leaves
+  them as they were instead of writing NaN.
+- backward: sum(dy) and sum(dy * (x - mean)) of all ranks through one all_reduce of 2C
+  numbers, as torch; grad_weight / grad_bias are the rank's own sums, as torch returns them
+  (DistributedDataParallel then averages them, giving the same parameter gradients as torch's
+  SyncBatchNorm). A rank without rows returns zero grads for weight and bias (torch returns
+  None, which leaves DDP waiting for a gradient that never comes on that rank).
+
+Host cost. The ranks this is for are host-bound, so every launch counts (on the 2-GPU machine
+of issue #26 a kernel launch cost the host ~10 us, a small all_reduce ~45 us, and the same
+statistics as ~25 torch ops cost more host time than torch's SyncBatchNorm with its sync). On
+CUDA a training forward is therefore torch's own batch_norm_stats, one Triton kernel packing the
+sums, the all_reduce, one Triton kernel turning the sums into mean / invstd and updating the
+running statistics, and torch's batch_norm_elemt; a backward is torch's
+batch_norm_backward_reduce, a cat, the all_reduce and batch_norm_backward_elemt (the kernels
+torch's SyncBatchNorm uses; they exist for CUDA only). The Triton kernels go through
+flexplan.launcher (the cheap repeat launch). Other devices (the CPU with gloo) use plain torch
+ops with the same formulas, and so does CUDA with FLEXPLAN_SYNC_BN_KERNELS=0 (module attribute
+use_kernels): more launches, no Triton.
+
+Not synchronized (plain F.batch_norm, no collective), as torch: eval mode, world size 1, no
+initialized process group. The module subclasses _BatchNorm, not torch.nn.SyncBatchNorm:
+DistributedDataParallel refuses torch's class on the CPU, and torch's
+SyncBatchNorm.convert_sync_batchnorm still treats this one as a BatchNorm to convert.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..device_guard import on_device_of
+from ..launcher import cdiv, launch
+
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
+
+_BLOCK = 256  # channels per program of the two statistics kernels
+# CUDA inputs take the Triton kernels (set FLEXPLAN_SYNC_BN_KERNELS=0 for plain torch ops)
+use_kernels = os.environ.get("FLEXPLAN_SYNC_BN_KERNELS", "1") != "0"
+
+
+def _stats_dtype(x: torch.Tensor) -> torch.dtype:
+    """Statistics in fp32 for fp16 / bf16 / fp32 inputs, fp64 for fp64 (as torch)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _reduce_dims(x: torch.Tensor) -> list[int]:
+    return [0] + list(range(2, x.dim()))  # every dim but the channels
+
+
+def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A [C] tensor shaped to broadcast against x ([N, C, *])."""
+    return t.view([1, -1] + [1] * (x.dim() - 2))
+
+
+# --- CUDA: two Triton kernels around the all_reduce -----------------------------------------
+
+@triton.jit(do_not_specialize=["rows"])
+def _pack_kernel(mean_ptr, invstd_ptr, out_ptr, channels, rows, BLOCK: tl.constexpr):
+    """out[:C] = rows * mean, out[C:2C] = rows * (var + mean^2), out[2C] = rows (float64), from
+    batch_norm_stats' mean and invstd taken with eps 0 (invstd = 1/sqrt(var), and 0 where var
+    is 0: then var is 0)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < channels
+    mean = tl.load(mean_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+    invstd = tl.load(invstd_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+    positive = invstd > 0
+    safe = tl.where(positive, invstd, 1.0)
+    var = tl.where(positive, 1.0 / (safe * safe), 0.0)
+    n = tl.zeros([BLOCK], dtype=tl.float64) + rows.to(tl.float64)
+    tl.store(out_ptr + offs, mean * n, mask=mask)
+    tl.store(out_ptr + channels + offs, (var + mean * mean) * n, mask=mask)
+    tl.store(out_ptr + 2 * channels + offs * 0, n, mask=offs == 0)
+
+
+@triton.jit
+def _finalize_kernel(packed_ptr, consts_ptr, nbt_ptr, stats_ptr, count_ptr, rm_ptr, rv_ptr,
+                     channels, TRACK: tl.constexpr, CUMULATIVE: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """From the all-reduced sums: stats[0] = mean, stats[1] = 1/sqrt(var + eps) (biased var),
+    count = the global row count (int32, for batch_norm_backward_elemt), and with TRACK the
+    running statistics moved towards mean and the unbiased var by momentum (consts[1]) or by
+    1 / num_batches_tracked (CUMULATIVE); by nothing where no rank had rows. consts[0] = eps.
+    All in float64, stored in each output's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < channels
+    total = tl.load(packed_ptr + 2 * channels)
+    rows = tl.maximum(total, 1.0)
+    mean = tl.load(packed_ptr + offs, mask=mask, other=0.0) / rows
+    ex2 = tl.load(packed_ptr + channels + offs, mask=mask, other=0.0) / rows
+    var = tl.maximum(ex2 - mean * mean, 0.0)
+    invstd = 1.0 / tl.sqrt(var + tl.load(consts_ptr))  # float64: correctly rounded
+    tl.store(stats_ptr + offs, mean.to(stats_ptr.dtype.element_ty), mask=mask)
+    tl.store(stats_ptr + channels + offs, invstd.to(stats_ptr.dtype.element_ty), mask=mask)
+    whole = tl.zeros([BLOCK], dtype=tl.float64) + total
+    tl.store(count_ptr + offs * 0, whole.to(tl.int32), mask=offs == 0)
+    if TRACK:
+        if CUMULATIVE:
+            w = 1.0 / tl.load(nbt_ptr).to(tl.float64)
+        else:
+            w = tl.load(consts_ptr + 1)
+        w = tl.where(total > 0, w, 0.0)
+        unbiased = var * total / tl.maximum(total - 1.0, 1.0)  # one row in all: 0, not NaN
+        rm = tl.load(rm_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+        rv = tl.load(rv_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+        tl.store(rm_ptr + offs, (rm + w * (mean - rm)).to(rm_ptr.dtype.element_ty), mask=mask)
+        tl.store(rv_ptr + offs, (rv + w * (unbiased - rv)).to(rv_ptr.dtype.element_ty), mask=mask)
+
+
+_CONSTS: dict = {}
+
+
+def _consts(device: torch.device, eps: float, momentum: float) -> torch.Tensor:
+    """[eps, momentum] as a float64 tensor on `device`, made once per value pair by fills (no
+    host-to-device copy; Triton would take Python floats as fp32, and flexplan.launcher's cheap
+    repeat launch takes tensors and ints only)."""
+    key = (device, eps, momentum)
+    consts = _CONSTS.get(key)
+    if consts is None:
+        consts = torch.full((2,), eps, dtype=torch.float64, device=device)
+        consts[1:].fill_(momentum)
+        _CONSTS[key] = consts
+    return consts
+
+
+def pack_sums(mean: torch.Tensor, invstd: torch.Tensor, rows: int) -> torch.Tensor:
+    """The kernel path's [rows * mean, rows * (var + mean^2), rows], float64 (see _pack_kernel)."""
+    channels = mean.shape[0]
+    packed = torch.empty(2 * channels + 1, dtype=torch.float64, device=mean.device)
+    launch(_pack_kernel, (cdiv(channels, _BLOCK),), mean, invstd, packed, channels, rows,
+           BLOCK=_BLOCK)
+    return packed
+
+
+def finalize_sums(packed: torch.Tensor, stats_dtype: torch.dtype, eps: float, momentum,
+                  num_batches_tracked, running_mean, running_var):
+    """The kernel path's (stats [2, C]: mean and invstd, count int32 [1]) from the all-reduced
+    sums, updating the running statistics when given (see _finalize_kernel)."""
+    channels = (packed.shape[0] - 1) // 2
+    stats = torch.empty(2, channels, dtype=stats_dtype, device=packed.device)
+    count = torch.empty(1, dtype=torch.int32, device=packed.device)
+    track = running_mean is not None
+    cumulative = track and momentum is None
+    consts = _consts(packed.device, float(eps), 0.0 if momentum is None else float(momentum))
+    launch(_finalize_kernel, (cdiv(channels, _BLOCK),), packed, consts,
+           num_batches_tracked if cumulative else packed, stats, count,
+           running_mean if track else stats, running_var if track else stats, channels,
+           TRACK=track, CUMULATIVE=cumulative, BLOCK=_BLOCK)
+    return stats, count
+
+
+# --- elsewhere: the same formulas in torch ops ----------------------------------------------
+
+def _torch_local_sums(x: torch.Tensor, rows: int) -> torch.Tensor:
+    var, mean = torch.var_mean(x.to(_stats_dtype(x)), dim=_reduce_dims(x), correction=0)
+    mean, var = mean.double(), var.double()
+    return torch.cat([mean, torch.addcmul(var, mean, mean), mean.new_ones(1)]).mul_(rows)
+
+
+def _torch_finalize(packed, sd, eps, momentum, num_batches_tracked, running_mean, running_var):
+    """(mean, var, invstd) in `sd` from the all-reduced sums; updates the running stats."""
+    channels = (packed.shape[0] - 1) // 2
+    total = packed[2 * channels:]
+    moments = packed[:2 * channels].view(2, channels) / total.clamp(min=1)
+    mean64 = moments[0]
+    var64 = torch.addcmul(moments[1], mean64, mean64, value=-1).clamp_(min=0)
+    if running_mean is not None:
+        factor = (num_batches_tracked.to(torch.float64).reciprocal() if momentum is None
+                  else momentum)
+        w = total.clamp(max=1) * factor  # no rows anywhere: weight 0
+        running_mean.lerp_(mean64.to(running_mean.dtype), w.to(running_mean.dtype))
+        unbiased = var64 * (total / (total - 1).clamp(min=1))
+        running_var.lerp_(unbiased.to(running_var.dtype), w.to(running_var.dtype))
+    mean, var = mean64.to(sd), var64.to(sd)
+    return mean, var, torch.rsqrt(var + eps)
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    """Training-mode batch norm over the rows of every rank of `group` (group None: this
+    process alone, no collective). Updates running_mean / running_var in place when given
+    (momentum None: the cumulative average over num_batches_tracked)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, eps,
+                momentum, group):
+        if not (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
+                or x.is_contiguous(memory_format=torch.channels_last_3d)):
+            x = x.contiguous()
+        channels = x.shape[1]
+        rows = x.numel() // channels  # a host number (shapes are on the host): no sync
+        sd = _stats_dtype(x)
+        cuda = x.is_cuda and use_kernels
+        if rows == 0:  # an empty rank still joins the collective (its peers wait), with zeros
+            packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
+        elif cuda:
+            # one Welford pass over x in its own dtype; eps 0: invstd = 1/sqrt(var) exactly
+            packed = pack_sums(*torch.batch_norm_stats(x, 0.0), rows)
+        else:
+            packed = _torch_local_sums(x, rows)
+        if group is not None:
+            # sums are what an all_reduce combines over uneven parts (torch all-gathers the
+            # per-rank means and then masks out the empty ranks: the sync)
+            dist.all_reduce(packed, dist.ReduceOp.SUM, group)
+        if cuda:
+            stats, count = finalize_sums(packed, sd, eps, momentum, num_batches_tracked,
+                                         running_mean, running_var)
+            mean, invstd = stats[0], stats[1]
+            if rows == 0:
+                out = torch.empty_like(x)
+            else:
+                if weight is not None and weight.dtype not in (x.dtype, sd):
+                    weight, bias = weight.to(sd), None if bias is None else bias.to(sd)
+                out = torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps)
+        else:
+            mean, var, invstd = _torch_finalize(packed, sd, eps, momentum, num_batches_tracked,
+                                                running_mean, running_var)
+            count = packed[2 * channels:]
+            # Inference-mode batch_norm with the global statistics: one fused pass; fp16 / bf16
+            # inputs take fp32 parameters (the mixed-type kernel), so nothing is rounded to the
+            # input dtype before the output.
+            out = torch.empty_like(x) if rows == 0 else F.batch_norm(
+                x, mean, var, None if weight is None else weight.to(sd),
+                None if bias is None else bias.to(sd), False, 0.0, eps)
+        ctx.save_for_backward(x, weight, mean, invstd, count)
+        ctx.kernels = cuda  # torch's CUDA-only backward kernels (they take the int32 count)
+        ctx.group = group
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        x, weight, mean, invstd, count = ctx.saved_tensors
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        need_weight = need_weight and weight is not None
+        need_bias = need_bias and ctx.has_bias
+        if not (grad_output.is_contiguous()
+                or grad_output.is_contiguous(memory_format=torch.channels_last)
+                or grad_output.is_contiguous(memory_format=torch.channels_last_3d)):
+            grad_output = grad_output.contiguous()
+        channels = x.shape[1]
+        rows = x.numel() // channels
+        sd = mean.dtype
+        grad_input = grad_weight = grad_bias = None
+        if rows > 0:
+            if ctx.kernels:
+                sum_dy, sum_dy_xmu, grad_weight, grad_bias = torch.batch_norm_backward_reduce(
+                    grad_output, x, mean, invstd, weight, need_input, need_weight, need_bias)
+            else:
+                dy = grad_output.to(sd)
+                xmu = x.to(sd) - _per_channel(mean, x)
+                dims = _reduce_dims(x)
+                sum_dy = dy.sum(dims)
+                sum_dy_xmu = (dy * xmu).sum(dims)
+                if need_weight:
+                    grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
+                if need_bias:
+                    grad_bias = sum_dy.to(weight.dtype if weight is not None else x.dtype)
+        else:
+            sum_dy = sum_dy_xmu = torch.zeros(channels, dtype=sd, device=x.device)
+            if need_weight:  # zeros, not None: DDP waits for every parameter's gradient
+                grad_weight = torch.zeros_like(weight)
+            if need_bias:
+                grad_bias = torch.zeros(channels, dtype=weight.dtype if weight is not None
+                                        else x.dtype, device=x.device)
+        if need_input:
+            combined = torch.cat([sum_dy, sum_dy_xmu])
+            if ctx.group is not None:
+                dist.all_reduce(combined, dist.ReduceOp.SUM, ctx.group)
+            sum_dy, sum_dy_xmu = combined[:channels], combined[channels:]
+            if rows == 0:
+                grad_input = torch.empty_like(x)
+            elif ctx.kernels:
+                w = weight if weight is None or weight.dtype == sd else weight.to(sd)
+                grad_input = torch.batch_norm_backward_elemt(
+                    grad_output, x, mean, invstd, w, sum_dy, sum_dy_xmu, count)
+            else:
+                n = count.to(sd)
+                scale = invstd if weight is None else invstd * weight.to(sd)
+                grad_input = (dy - _per_channel(sum_dy / n, x)
+                              - xmu * _per_channel(invstd * invstd * sum_dy_xmu / n, x))
+                grad_input = (grad_input * _per_channel(scale, x)).to(x.dtype)
+        if not need_weight:
+            grad_weight = None
+        if not need_bias:
+            grad_bias = None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+class SyncBatchNorm(_BatchNorm):
+    """torch.nn.SyncBatchNorm's drop-in (same arguments, buffers and state dict) whose training
+    forward and backward never wait for the GPU: one all_reduce each, see the module docstring.
+    Inputs [N, C, *], any floating dtype; the output has the input's dtype."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, process_group=None,
+                 device=None, dtype=None, *, bias: bool = True) -> None:
+        # `bias` only when it is not the default: torch versions without it still work.
+        extra = {} if bias else {"bias": False}
+        super().__init__(num_features, eps, momentum, affine, track_running_stats,
+                         device=device, dtype=dtype, **extra)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def _group(self):
+        """The process group to synchronize over, or None where torch would not sync."""
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return None
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        return group if dist.get_world_size(group) > 1 else None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        if input.size(1) == 0:
+            raise ValueError("SyncBatchNorm number of input channels should be non-zero")
+        tracking = self.training and self.track_running_stats
+        if tracking:
+            self.num_batches_tracked.add_(1)
+        # Batch statistics in training, and in eval mode without running statistics (as torch).
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        running_mean = self.running_mean if not self.training or self.track_running_stats else None
+        running_var = self.running_var if not self.training or self.track_running_stats else None
+        group = self._group()
+        if group is None and not (tracking and self.momentum is None):
+            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
+                                bn_training, 0.0 if self.momentum is None else self.momentum,
+                                self.eps)
+        # Synchronized; or the cumulative average (momentum None) alone, which torch weighs
+        # with 1 / num_batches_tracked.item() (a sync) and this Function on the device.
+        args = (input, self.weight, self.bias, running_mean, running_var,
+                self.num_batches_tracked if tracking else None, self.eps, self.momentum, group)
+        with on_device_of(input):  # the Triton kernels launch on the current device
+            if torch.is_autocast_enabled(input.device.type):
+                # torch's batch norm is not autocast: the input's dtype in and out
+                with torch.autocast(input.device.type, enabled=False):
+                    return _SyncBatchNormFunction.apply(*args)
+            return _SyncBatchNormFunction.apply(*args)
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group=None):
+        """torch.nn.SyncBatchNorm.convert_sync_batchnorm's counterpart (see the function)."""
+        return convert_sync_batchnorm(module, process_group)
+
+
+# convert_sync_batchnorm builds this class for a BatchNorm; a BatchNorm class may name another
+# through the attribute (spconv's SparseBatchNorm names SparseSyncBatchNorm, which keeps
+# mapping SparseConvTensor features).
+SyncBatchNorm._sync_batchnorm_class = SyncBatchNorm
+
+
+def convert_sync_batchnorm(module: torch.nn.Module, process_group=None) -> torch.nn.Module:
+    """Every BatchNorm1d/2d/3d (any torch _BatchNorm: torch's SyncBatchNorm and this module's
+    too) in `module` replaced by flexplan's SyncBatchNorm, in place; the module itself
+    replaced (and returned) if it is one. As torch's convert_sync_batchnorm: the new layer
+    takes over the old one's weight and bias Parameters (the same objects, so an optimizer
+    built before still holds them; requires_grad goes with them), its running statistics and
+    num_batches_tracked, eps, momentum, affine, track_running_stats and training mode."""
+    output = module
+    if isinstance(module, _BatchNorm):
+        target = getattr(type(module), "_sync_batchnorm_class", SyncBatchNorm)
+        output = target(module.num_features, module.eps, module.momentum, module.affine,
+                        module.track_running_stats, process_group,
+                        bias=not module.affine or module.bias is not None)
+        if module.affine:
+            with torch.no_grad():
+                output.weight = module.weight
+                output.bias = module.bias
+        output.running_mean = module.running_mean
+        output.running_var = module.running_var
+        output.num_batches_tracked = module.num_batches_tracked
+        output.training = module.training
+        if hasattr(module, "qconfig"):
+            output.qconfig = module.qconfig
+    for name, child in module.named_children():
+        output.add_module(name, convert_sync_batchnorm(child, process_group))
+    return output

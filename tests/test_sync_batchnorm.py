@@ -516,13 +516,14 @@ def _nccl_rank(rank, world, init_file, out_dir):
     try:
         from flexplan.nn import sync_batchnorm
 
+        default = sync_batchnorm.use_kernels
         result = {}
         for name in GPU_CASES:
             result[name] = {"torch": _run_case(name, rank, device, nn.SyncBatchNorm)}
             for kernels in (True, False):  # the Triton kernels, or torch ops
                 sync_batchnorm.use_kernels = kernels
                 result[name][f"flexplan kernels={kernels}"] = _run_case(name, rank, device)
-            sync_batchnorm.use_kernels = True
+            sync_batchnorm.use_kernels = default
         result["ddp"] = _ddp_step(rank, device)
         x = torch.randn(1000 * (rank + 1), CHANNELS, device=device, requires_grad=True)
         errors = []
@@ -540,7 +541,7 @@ def _nccl_rank(rank, world, init_file, out_dir):
             finally:
                 torch.cuda.set_sync_debug_mode(0)
             torch.cuda.synchronize()
-        sync_batchnorm.use_kernels = True
+        sync_batchnorm.use_kernels = default
         result["sync_errors"] = errors
         # torch's SyncBatchNorm, as a check that the mode sees its sync
         t = nn.SyncBatchNorm(CHANNELS).to(device)

@@ -27,15 +27,15 @@ depends on tensor values:
 
 Host cost. The ranks this is for are host-bound, so every launch counts (on the 2-GPU machine
 of issue #26 a kernel launch cost the host ~10 us, a small all_reduce ~45 us, and the same
-statistics as ~25 torch ops cost more host time than torch's SyncBatchNorm with its sync). On
-CUDA a training forward is therefore torch's own batch_norm_stats, one Triton kernel packing the
-sums, the all_reduce, one Triton kernel turning the sums into mean / invstd and updating the
-running statistics, and torch's batch_norm_elemt; a backward is torch's
+statistics as ~25 torch ops cost more host time than torch's SyncBatchNorm with its sync). So
+with FLEXPLAN_SYNC_BN_KERNELS=1 (module attribute use_kernels) a CUDA training forward is
+torch's own batch_norm_stats, one Triton kernel packing the sums, the all_reduce, one Triton
+kernel turning the sums into mean / invstd and updating the running statistics
+(kernels_src/batchnorm_stats.py), and torch's batch_norm_elemt; a backward is torch's
 batch_norm_backward_reduce, a cat, the all_reduce and batch_norm_backward_elemt (the kernels
-torch's SyncBatchNorm uses; they exist for CUDA only). The Triton kernels go through
-flexplan.launcher (the cheap repeat launch). Other devices (the CPU with gloo) use plain torch
-ops with the same formulas, and so does CUDA with FLEXPLAN_SYNC_BN_KERNELS=0 (module attribute
-use_kernels): more launches, no Triton.
+torch's SyncBatchNorm uses; they exist for CUDA only). That path is opt-in until it has run on
+GPUs (its kernels are checked against the torch formulas through the interpreter). By default
+every device uses plain torch ops with the same formulas: more launches, no Triton.
 
 Not synchronized (plain F.batch_norm, no collective), as torch: eval mode, world size 1, no
 initialized process group. The module subclasses _BatchNorm, not torch.nn.SyncBatchNorm:
@@ -49,19 +49,20 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..device_guard import on_device_of
+from ..kernels_src import batchnorm_stats as kernels
 from ..launcher import cdiv, launch
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
 _BLOCK = 256  # channels per program of the two statistics kernels
-# CUDA inputs take the Triton kernels (set FLEXPLAN_SYNC_BN_KERNELS=0 for plain torch ops)
-use_kernels = os.environ.get("FLEXPLAN_SYNC_BN_KERNELS", "1") != "0"
+# CUDA inputs take the Triton kernels (kernels_src/batchnorm_stats.py) only when asked:
+# FLEXPLAN_SYNC_BN_KERNELS=1. They are checked against the torch formulas through the
+# interpreter but have not run on a GPU yet; the default is the torch-op path every test runs.
+use_kernels = os.environ.get("FLEXPLAN_SYNC_BN_KERNELS", "0") == "1"
 
 
 def _stats_dtype(x: torch.Tensor) -> torch.dtype:
@@ -77,59 +78,6 @@ def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A [C] tensor shaped to broadcast against x ([N, C, *])."""
     return t.view([1, -1] + [1] * (x.dim() - 2))
 
-
-# --- CUDA: two Triton kernels around the all_reduce -----------------------------------------
-
-@triton.jit(do_not_specialize=["rows"])
-def _pack_kernel(mean_ptr, invstd_ptr, out_ptr, channels, rows, BLOCK: tl.constexpr):
-    """out[:C] = rows * mean, out[C:2C] = rows * (var + mean^2), out[2C] = rows (float64), from
-    batch_norm_stats' mean and invstd taken with eps 0 (invstd = 1/sqrt(var), and 0 where var
-    is 0: then var is 0)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < channels
-    mean = tl.load(mean_ptr + offs, mask=mask, other=0.0).to(tl.float64)
-    invstd = tl.load(invstd_ptr + offs, mask=mask, other=0.0).to(tl.float64)
-    positive = invstd > 0
-    safe = tl.where(positive, invstd, 1.0)
-    var = tl.where(positive, 1.0 / (safe * safe), 0.0)
-    n = tl.zeros([BLOCK], dtype=tl.float64) + rows.to(tl.float64)
-    tl.store(out_ptr + offs, mean * n, mask=mask)
-    tl.store(out_ptr + channels + offs, (var + mean * mean) * n, mask=mask)
-    tl.store(out_ptr + 2 * channels + offs * 0, n, mask=offs == 0)
-
-
-@triton.jit
-def _finalize_kernel(packed_ptr, consts_ptr, nbt_ptr, stats_ptr, count_ptr, rm_ptr, rv_ptr,
-                     channels, TRACK: tl.constexpr, CUMULATIVE: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """From the all-reduced sums: stats[0] = mean, stats[1] = 1/sqrt(var + eps) (biased var),
-    count = the global row count (int32, for batch_norm_backward_elemt), and with TRACK the
-    running statistics moved towards mean and the unbiased var by momentum (consts[1]) or by
-    1 / num_batches_tracked (CUMULATIVE); by nothing where no rank had rows. consts[0] = eps.
-    All in float64, stored in each output's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < channels
-    total = tl.load(packed_ptr + 2 * channels)
-    rows = tl.maximum(total, 1.0)
-    mean = tl.load(packed_ptr + offs, mask=mask, other=0.0) / rows
-    ex2 = tl.load(packed_ptr + channels + offs, mask=mask, other=0.0) / rows
-    var = tl.maximum(ex2 - mean * mean, 0.0)
-    invstd = 1.0 / tl.sqrt(var + tl.load(consts_ptr))  # float64: correctly rounded
-    tl.store(stats_ptr + offs, mean.to(stats_ptr.dtype.element_ty), mask=mask)
-    tl.store(stats_ptr + channels + offs, invstd.to(stats_ptr.dtype.element_ty), mask=mask)
-    whole = tl.zeros([BLOCK], dtype=tl.float64) + total
-    tl.store(count_ptr + offs * 0, whole.to(tl.int32), mask=offs == 0)
-    if TRACK:
-        if CUMULATIVE:
-            w = 1.0 / tl.load(nbt_ptr).to(tl.float64)
-        else:
-            w = tl.load(consts_ptr + 1)
-        w = tl.where(total > 0, w, 0.0)
-        unbiased = var * total / tl.maximum(total - 1.0, 1.0)  # one row in all: 0, not NaN
-        rm = tl.load(rm_ptr + offs, mask=mask, other=0.0).to(tl.float64)
-        rv = tl.load(rv_ptr + offs, mask=mask, other=0.0).to(tl.float64)
-        tl.store(rm_ptr + offs, (rm + w * (mean - rm)).to(rm_ptr.dtype.element_ty), mask=mask)
-        tl.store(rv_ptr + offs, (rv + w * (unbiased - rv)).to(rv_ptr.dtype.element_ty), mask=mask)
 
 
 _CONSTS: dict = {}
@@ -149,10 +97,10 @@ def _consts(device: torch.device, eps: float, momentum: float) -> torch.Tensor:
 
 
 def pack_sums(mean: torch.Tensor, invstd: torch.Tensor, rows: int) -> torch.Tensor:
-    """The kernel path's [rows * mean, rows * (var + mean^2), rows], float64 (see _pack_kernel)."""
+    """The kernel path's [rows * mean, rows * (var + mean^2), rows], float64 (see kernels.pack_kernel)."""
     channels = mean.shape[0]
     packed = torch.empty(2 * channels + 1, dtype=torch.float64, device=mean.device)
-    launch(_pack_kernel, (cdiv(channels, _BLOCK),), mean, invstd, packed, channels, rows,
+    launch(kernels.pack_kernel, (cdiv(channels, _BLOCK),), mean, invstd, packed, channels, rows,
            BLOCK=_BLOCK)
     return packed
 
@@ -160,14 +108,14 @@ def pack_sums(mean: torch.Tensor, invstd: torch.Tensor, rows: int) -> torch.Tens
 def finalize_sums(packed: torch.Tensor, stats_dtype: torch.dtype, eps: float, momentum,
                   num_batches_tracked, running_mean, running_var):
     """The kernel path's (stats [2, C]: mean and invstd, count int32 [1]) from the all-reduced
-    sums, updating the running statistics when given (see _finalize_kernel)."""
+    sums, updating the running statistics when given (see kernels.finalize_kernel)."""
     channels = (packed.shape[0] - 1) // 2
     stats = torch.empty(2, channels, dtype=stats_dtype, device=packed.device)
     count = torch.empty(1, dtype=torch.int32, device=packed.device)
     track = running_mean is not None
     cumulative = track and momentum is None
     consts = _consts(packed.device, float(eps), 0.0 if momentum is None else float(momentum))
-    launch(_finalize_kernel, (cdiv(channels, _BLOCK),), packed, consts,
+    launch(kernels.finalize_kernel, (cdiv(channels, _BLOCK),), packed, consts,
            num_batches_tracked if cumulative else packed, stats, count,
            running_mean if track else stats, running_var if track else stats, channels,
            TRACK=track, CUMULATIVE=cumulative, BLOCK=_BLOCK)

@@ -29,8 +29,11 @@ gpu-check:
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
-# Precompile every kernel variant for CUDA and ROCm into aot_bundle/ (python -m aot --help);
-# e.g. make aot AOT_ARGS="--targets sm_90 --install".
+# Precompile the kernel variants flexplan dispatches into aot_bundle/ (python -m aot --help;
+# docs/aot.md): for this machine's GPUs, or without one for every target flexplan knows
+# (sm_80 sm_86 sm_89 sm_90 gfx90a gfx942 gfx1100); ninja's progress, then binaries, MB and time.
+# e.g. make aot AOT_ARGS="--targets sm_90 --install", or AOT_ARGS="--wheel" for pip-installable
+# flexplan_kernels_<target> wheels in aot_bundle/dist/.
 .PHONY: aot
 aot: $(STAMP)
 	$(PY) -m aot $(AOT_ARGS)

@@ -1,14 +1,20 @@
-"""`python -m aot` (and `make aot`): precompile every kernel variant for CUDA and ROCm targets.
+"""`python -m aot` (and `make aot`): precompile the kernel variants flexplan dispatches for CUDA
+and ROCm targets.
 
     python -m aot [--targets sm_90,gfx942] [--out aot_bundle] [--kernels wgrad] [--channels 32,64]
-                  [--sample N] [-j N] [--install]
+                  [--sample N] [-j N] [--install] [--wheel [--wheel-dir DIR]]
 
-Writes OUT/build.ninja (one edge per binary) and runs ninja on it: parallel, incremental (a
-second run does nothing; touching a kernel source rebuilds its binaries; another Triton version
-rebuilds all), with ninja's progress line. A variant this Triton cannot compile is recorded
-as failed (the runtime leaves it to the JIT) instead of stopping the build. OUT then holds a bundle: manifest.json plus
-<target>/<kernel>/<key>.{cubin,hsaco,json}. --install copies the bundle into the user cache
-(flexplan.paths.aot_cache_dir()), where the runtime finds it.
+Targets: those named, else this machine's GPUs (aot/targets.py), else every target flexplan
+knows (DEFAULT_TARGETS). The variants: flexplan/aot/variants.py over the shapes of
+flexplan/tuning/aot.py. Writes OUT/build.ninja (one edge per binary) and runs ninja on it:
+parallel, incremental (a second run does nothing; touching a kernel source rebuilds its
+binaries; another Triton version rebuilds all), with ninja's progress line; at the end it says
+how many binaries, how many MB and how long. A variant this Triton cannot compile is recorded
+as failed (the runtime leaves it to the JIT) instead of stopping the build. OUT then holds a
+bundle: manifest.json plus <target>/<kernel>/<key>.{cubin,hsaco,json}. --install copies the
+bundle into the user cache (flexplan.paths.aot_cache_dir()), where the runtime finds it;
+--wheel packs it as one installable wheel per target (aot/wheel.py), which the runtime finds
+once pip-installed.
 """
 from __future__ import annotations
 
@@ -17,17 +23,20 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # the build compiles; it never interprets
 
 
 def parse_args(argv):
+    from aot.targets import DEFAULT_TARGETS
     from flexplan.aot.keys import TARGETS
 
     parser = argparse.ArgumentParser(prog="python -m aot", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--targets", default=",".join(TARGETS),
-                        help=f"comma-separated targets (default: all of {','.join(TARGETS)})")
+    parser.add_argument("--targets", default=None,
+                        help="comma-separated targets (default: this machine's GPUs; without one "
+                             f"{','.join(DEFAULT_TARGETS)})")
     parser.add_argument("--out", default="aot_bundle", help="bundle/build directory")
     parser.add_argument("--kernels", default=None, help="only kernels whose name contains this")
     parser.add_argument("--channels", default=None,
@@ -37,8 +46,17 @@ def parse_args(argv):
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--install", action="store_true",
                         help="copy the finished bundle into the user cache (flexplan.paths.aot_cache_dir())")
+    parser.add_argument("--wheel", action="store_true",
+                        help="pack the finished bundle as one wheel per target (pip install it)")
+    parser.add_argument("--wheel-dir", default=None, help="where --wheel writes (default: OUT/dist)")
     args = parser.parse_args(argv)
-    args.targets = [t for t in args.targets.split(",") if t]
+    args.origin = "--targets"
+    if args.targets is None:
+        from aot.targets import default_targets
+
+        args.targets, args.origin = default_targets()
+    else:
+        args.targets = [t for t in args.targets.split(",") if t]
     args.channels = [int(c) for c in args.channels.split(",")] if args.channels else None
     for t in args.targets:
         if t not in TARGETS:
@@ -49,36 +67,35 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from aot.ninja_file import write_build_file
+    from aot.report import failure_lines, manifest_of, summary_line
 
+    start = time.monotonic()
     out = Path(args.out).resolve()
     count = write_build_file(out, args.targets, args.kernels, args.sample, args.channels)
-    print(f"aot: {count} binaries for {','.join(args.targets)} in {out}", flush=True)
+    print(f"aot: {count} binaries for {','.join(args.targets)} ({args.origin}) in {out}", flush=True)
     ninja = shutil.which("ninja", path=_ninja_bin_dir())
     if ninja is None:
         print("aot: ninja not found (pip install ninja)", file=sys.stderr)
         return 1
     rc = subprocess.call([ninja, "-C", str(out), "-j", str(args.jobs)])
-    if rc == 0:
-        # Binaries of variants no longer listed (changed sources, other Triton) are removed.
-        subprocess.call([ninja, "-C", str(out), "-t", "cleandead"], stdout=subprocess.DEVNULL)
-    if rc == 0:
-        _report_failures(out)
-    if rc == 0 and args.install:
+    if rc != 0:
+        return rc
+    # Binaries of variants no longer listed (changed sources, other Triton) are removed.
+    subprocess.call([ninja, "-C", str(out), "-t", "cleandead"], stdout=subprocess.DEVNULL)
+    for line in failure_lines(manifest_of(out)):
+        print(line)
+    print(summary_line(out, time.monotonic() - start), flush=True)
+    if args.install:
         from flexplan.aot.bundle import install_bundle
 
         print(f"aot: installed into {install_bundle(out)}")
-    return rc
+    if args.wheel:
+        from aot.wheel import write_wheels
 
-
-def _report_failures(out: Path) -> None:
-    import json
-
-    failed = json.loads((out / "manifest.json").read_text()).get("failed", [])
-    for entry in failed[:5]:
-        print(f"aot: {entry['target']} {entry['kernel']} {entry['key']}: does not compile: {entry['error']}")
-    if failed:
-        print(f"aot: {len(failed)} variants do not compile with this Triton (left to the JIT; "
-              "listed under 'failed' in manifest.json)")
+        dest = Path(args.wheel_dir).resolve() if args.wheel_dir else out / "dist"
+        for path in write_wheels(out, dest, args.targets):
+            print(f"aot: wheel {path} (pip install it; `python -m flexplan doctor` lists it)")
+    return 0
 
 
 def _ninja_bin_dir() -> str:

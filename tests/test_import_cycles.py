@@ -150,7 +150,8 @@ def test_the_launch_layer_and_the_schedule_import_downward_only():
     graph = import_graph()
     assert "flexplan.launcher" not in graph["flexplan.aot.direct"] | graph["flexplan.aot.runtime"]
     assert "flexplan.aot.direct" not in graph["flexplan.aot.runtime"]
-    assert graph["flexplan.aot.launch_abi"] == set()
+    assert graph["flexplan.aot.launch_abi"] <= {"flexplan.versions"}
+    assert graph["flexplan.versions"] == set()  # the bottom: one Triton version for everyone
     assert "flexplan.planner.segments" not in (graph["flexplan.planner.segments_triton"]
                                                | graph["flexplan.planner.rank_sort"])
     assert "flexplan.planner.segments_triton" not in graph["flexplan.planner.rank_sort"]

@@ -2,8 +2,9 @@
 
 A bundle is a directory with manifest.json and the binaries it lists (see aot/). Searched, in
 order: the directories in $FLEXPLAN_AOT_PATH (os.pathsep-separated), every bundle under the user
-cache (flexplan.paths.aot_cache_dir()), and bundles shipped inside the wheel
-(flexplan/aot/bundles/*, package data).
+cache (flexplan.paths.aot_cache_dir()), bundles installed as packages (`python -m aot --wheel`:
+each names its package in the entry point group flexplan.aot_bundles), and bundles shipped
+inside flexplan's own wheel (flexplan/aot/bundles/*, package data).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from .keys import MANIFEST_FORMAT, MANIFEST_NAME, triton_version
 log = logging.getLogger("flexplan.aot")
 
 AOT_PATH_ENV = "FLEXPLAN_AOT_PATH"
+# Entry point group of installed bundle packages: name = the package holding manifest.json.
+ENTRY_POINT_GROUP = "flexplan.aot_bundles"
 SHIPPED_DIR = Path(__file__).parent / "bundles"
 
 
@@ -30,6 +33,7 @@ class Bundle:
     triton_version: str | None
     entries: list[dict]
     problem: str | None = None  # why the bundle is refused; None when usable
+    targets: tuple[str, ...] = ()  # what its manifest says it was built for
 
     def entry_files_ok(self, entry: dict) -> str | None:
         """None when the entry's binary and metadata match their sha256, else what is wrong."""
@@ -46,9 +50,32 @@ class Bundle:
 
 def bundle_dirs() -> list[Path]:
     dirs = [Path(p) for p in os.environ.get(AOT_PATH_ENV, "").split(os.pathsep) if p]
-    for parent in (aot_cache_dir(), SHIPPED_DIR):
-        if parent.is_dir():
-            dirs += sorted(p for p in parent.iterdir() if (p / MANIFEST_NAME).is_file())
+    dirs += _bundles_under(aot_cache_dir())
+    dirs += installed_bundle_dirs()
+    return dirs + _bundles_under(SHIPPED_DIR)
+
+
+def _bundles_under(parent: Path) -> list[Path]:
+    if not parent.is_dir():
+        return []
+    return sorted(p for p in parent.iterdir() if (p / MANIFEST_NAME).is_file())
+
+
+def installed_bundle_dirs() -> list[Path]:
+    """The directories of the bundle packages installed in this environment, found through
+    their entry points without importing them."""
+    from importlib.metadata import entry_points
+    from importlib.util import find_spec
+
+    dirs = []
+    for point in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda p: p.name):
+        try:
+            spec = find_spec(point.module)
+        except (ImportError, ValueError):  # a broken installation must not break the runtime
+            continue
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            if (Path(location) / MANIFEST_NAME).is_file() and Path(location) not in dirs:
+                dirs.append(Path(location))
     return dirs
 
 
@@ -60,19 +87,23 @@ def read_bundle(root: Path) -> Bundle:
         version, entries, fmt = manifest["triton_version"], manifest["entries"], manifest["format"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return Bundle(root, None, [], f"{path}: unreadable manifest ({exc.__class__.__name__}: {exc})")
+    targets = manifest.get("targets")
+    targets = tuple(t for t in targets if isinstance(t, str)) if isinstance(targets, list) else ()
     if fmt != MANIFEST_FORMAT:
-        return Bundle(root, version, [], f"{path}: manifest format {fmt}, this flexplan reads {MANIFEST_FORMAT}")
+        return Bundle(root, version, [], f"{path}: manifest format {fmt}, this flexplan reads "
+                                         f"{MANIFEST_FORMAT}", targets)
     if version != triton_version():
         return Bundle(root, version, [], (
             f"{path}: built with Triton {version}, but this is Triton {triton_version()}; its binaries "
-            f"are not used (rebuild it with `python -m aot` under this Triton)"))
+            f"are not used (rebuild it with `python -m aot` under this Triton)"), targets)
     if not isinstance(entries, list):
-        return Bundle(root, version, [], f"{path}: malformed manifest ('entries' is not a list)")
+        return Bundle(root, version, [], f"{path}: malformed manifest ('entries' is not a list)",
+                      targets)
     malformed = sum(not _entry_well_formed(e) for e in entries)
     if malformed:  # a manifest that fails its schema is not trusted in part: refused whole
         return Bundle(root, version, [], f"{path}: malformed manifest ({malformed} of "
-                                         f"{len(entries)} entries fail the schema)")
-    return Bundle(root, version, list(entries))
+                                         f"{len(entries)} entries fail the schema)", targets)
+    return Bundle(root, version, list(entries), targets=targets)
 
 
 # The manifest fields every reader of an entry relies on (the runtime's index, the direct

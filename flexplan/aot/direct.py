@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from triton import knobs
 
-from . import launch_abi, runtime
+from . import launch_abi, runtime, served
 from .cuda_launch import CudaKernel, libcuda
 from .keys import kernel_name
 from .kernel_params import ParamBlock, Unsupported, kernel_params, param_bytes
@@ -165,6 +165,9 @@ def _resolve(fn, state: _KernelState, device: int, kwargs, bound, specialization
         return None
     runtime.stats["aot"] += 1
     runtime.stats["direct"] += 1
+    served.note(served.Served(name.rsplit(".", 1)[-1], served.describe(
+        fn.arg_names, signature, constants, options.__dict__), served.DIRECT,
+        spec=served.spec_digest(signature, constants, attrs)))
     return kernel
 
 

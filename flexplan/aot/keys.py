@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from ..versions import triton_version  # (the build and the runtime name it here too)
 
-# Targets `make aot` builds by default: name -> (Triton backend, arch, warp size).
+# Targets flexplan builds for (`make aot`: this machine's GPUs, else all of these):
+# name -> (Triton backend, arch, warp size).
 TARGETS = {
     "sm_80": ("cuda", 80, 32),
     "sm_86": ("cuda", 86, 32),
@@ -31,12 +33,6 @@ BINARY_EXT = {"cuda": "cubin", "hip": "hsaco"}
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
-
-
-def triton_version() -> str:
-    import triton
-
-    return triton.__version__
 
 
 def gpu_target(name: str):

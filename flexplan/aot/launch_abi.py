@@ -7,11 +7,11 @@ flexplan.aot.direct rebuilds its parameter block and driver launch (kernel_param
 Both ask here, so a Triton that changes that launcher turns both off together.
 
 This module sits at the bottom of the launch layer (launcher -> aot.direct -> aot.runtime): it
-imports nothing from flexplan, so every one of them may import it.
+imports nothing from flexplan but flexplan.versions, so every one of them may import it.
 """
 from __future__ import annotations
 
-import triton
+from ..versions import triton_version
 
 # Prefixes of triton.__version__ whose launcher the two mirrors above follow. (A test that fakes
 # a device sets this to the installed version, whose parameter ABI is checked to match.)
@@ -20,4 +20,4 @@ MIRRORED_VERSIONS = ("3.6.",)
 
 def mirrors_triton_launcher() -> bool:
     """Whether the installed Triton's CUDA launcher is the one flexplan mirrors."""
-    return triton.__version__.startswith(MIRRORED_VERSIONS)
+    return triton_version().startswith(MIRRORED_VERSIONS)

@@ -16,9 +16,9 @@ import json
 import logging
 import threading
 from collections import Counter
-from pathlib import Path
 from typing import Callable
 
+from . import served
 from .bundle import Bundle, bundle_dirs, read_bundle
 from .keys import (BINARY_EXT, canonical_spec, kernel_name, source_hash, target_name, triton_version,
                    variant_key)
@@ -74,6 +74,7 @@ def reset() -> None:
         _refused.clear()
         _logged.clear()
         stats.clear()
+        served.clear()
         forgets = list(_dependent_resets)
     for forget in forgets:
         forget()
@@ -155,9 +156,12 @@ def _jit_cache_hook(*, key, repr, fn, compile, is_manual_warmup, already_compile
     name = kernel_name(jit_fn)
     if not name.startswith(KERNEL_PREFIX):
         return None
+    short, variant, spec = name.rsplit(".", 1)[-1], "?", ""
     try:
         kernel_cache, _, target, _, _ = jit_fn.device_caches[compile["device"]]
         options = json.loads(compile["specialization_data"])["options"]
+        variant = served.describe(jit_fn.arg_names, compile["signature"], compile["constants"], options)
+        spec = served.spec_digest(compile["signature"], compile["constants"], compile["configs"][0])
         bundle, entry = lookup(jit_fn, target, compile["signature"], compile["constants"], compile["configs"][0],
                                options)
         if bundle is None:
@@ -167,15 +171,17 @@ def _jit_cache_hook(*, key, repr, fn, compile, is_manual_warmup, already_compile
             if reason is None:
                 kernel_cache[key] = load_compiled(jit_fn, compile, bundle, entry)
                 stats["aot"] += 1
+                served.note(served.Served(short, variant, served.BUNDLE, spec=spec))
                 return True
             log_once(reason, "%s; skipping it", reason)
     except Exception as exc:  # a broken bundle must never break a launch: JIT instead
         reason = f"AOT lookup failed ({exc.__class__.__name__}: {exc})"
     stats["jit"] += 1
+    served.note(served.Served(short, variant, served.COMPILED, reason, spec))
     log_once(name, "%s: %s: compiling it with Triton's JIT", name.rsplit(".", 1)[-1], reason)
     return None
 
 
-def bundle_summary() -> list[tuple[Path, str | None, int]]:
-    """(bundle dir, Triton version, entries) of every bundle found, for the doctor."""
-    return [(b.root, b.triton_version, len(b.entries)) for b in map(read_bundle, bundle_dirs())]
+def bundle_summary() -> list[Bundle]:
+    """Every bundle found, usable or refused (Bundle.problem), for the doctor."""
+    return [read_bundle(root) for root in bundle_dirs()]

@@ -1,4 +1,4 @@
-"""The runtime-dispatchable kernel variants: kernel x dtype x config x specialization, in one place.
+"""The runtime-dispatchable kernel variants: kernel x dtype x config x specialization.
 
 A Variant is one example call (argument kinds + constexprs + launch options) of one kernel; the
 AOT build turns it into Triton's compile inputs with the JIT's own binder, so each variant is
@@ -6,44 +6,38 @@ exactly the specialization the JIT would compile for calls like it. Its ints are
 their class (make_variant), so the registry lists each specialization once; sizes, counts and
 places are not specialized (each kernel's decorator says which), so one variant serves them all.
 
-Configs: `config_sources()` — the heuristic config of every representative problem
-(REP_ROWS x REP_CHANNEL_PAIRS x dtype x part, with the algorithm "auto" picks, on each target's
-shared memory size), the configs of the tuner's shipped tables
-(flexplan.tuning.aot.shipped_configs), and any source registered with `add_config_source`.
-Arguments are given by parameter name and mirror the launches in flexplan/ops/sparse_conv.py,
-flexplan/planner/ (hashmap, segments_triton, generative_triton) and flexplan/plan.py (the gather
-maps' views); tests/test_aot.py records the real ops' launches and checks the registry
-reproduces them.
+What is covered is defined once, in flexplan/tuning/aot.py: the layer shapes (widths,
+geometries, dtypes, rows) and, for the convs, the launches dispatch makes for them on each
+target (conv_launches: "auto"'s algorithm, the target's tuned table else the heuristic, on the
+target's shared memory). This module only turns those into launches' arguments, which mirror
+the launches in flexplan/ops/sparse_conv.py, flexplan/planner/ (hashmap, segments_triton,
+generative_triton) and flexplan/plan.py (the gather maps' views); tests/test_aot.py records the
+real ops' launches and checks the registry reproduces them, tests/test_aot_lean.py checks the
+conv variants against what dispatch returns.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
-from ..geometry import ConvGeometry
-from ..kernel_configs import (DTYPES, GATHER_GEMM, PLAN_BLOCK_SIZES, WGRAD, KernelConfig, Problem,
-                              choose_algo, heuristic_config, precision_config, runtime_dtypes)
+from ..kernel_configs import GATHER_GEMM, PLAN_BLOCK_SIZES, WGRAD
 from ..launcher import NOT_SPECIALIZED, SPECIALIZED, arg_specialization
 from ..plan import mirrored_signal_offsets
+from ..tuning.aot import (AOT_DTYPES, AOT_GEOMETRIES, STRIDED_VOLUMES, SUBMANIFOLD_VOLUMES,
+                          ConvLaunch, conv_launches)
 from .keys import TARGET_SHARED_MEMORY, TARGETS
 
-# Representative problem sizes: row counts for the configs and algorithms the heuristic picks
-# (no kernel specializes on a row count: the kernels' decorators say do_not_specialize, so one
-# binary serves every size) and the channel widths of sparse U-Nets (channel counts not
-# divisible by 16 run JIT-compiled).
-REP_ROWS = tuple(1 << k for k in range(8, 21, 3))
-REP_CHANNELS = (16, 32, 64, 128, 256)
-REP_CHANNEL_PAIRS = tuple((c, c) for c in REP_CHANNELS) + tuple(
-    pair for a, b in zip(REP_CHANNELS, REP_CHANNELS[1:]) for pair in ((a, b), (b, a)))
-REP_VOLUMES = (27,)
-# Planner: a grid (its extents are not specialized either), submanifold kernel sizes, and the
-# strided / transposed geometries of sparse U-Nets (their maps also go through the schedule).
+# Example values of the ints no kernel specializes on (rows, grid extents, counts): any serve.
+EXAMPLE_ROWS = 256
 REP_GRID = (128, 128, 128)
-REP_KERNEL_SIZES = (3, 5)
-REP_GENERATIVE = tuple(ConvGeometry.make(k, stride=2, padding=(k - 1) // 2, submanifold=False,
-                                         transposed=t) for k in (2, 3) for t in (False, True))
+# The explicit algorithm's gathers (im2col): picked by "auto" only for 16-bit layers of 768+
+# channels (kernel_configs.EXPLICIT_MIN_CHANNELS), or asked for by name; 3x3x3 only.
+EXPLICIT_VOLUMES = (27,)
+# Pool windows of the sparse U-Nets and detectors that pool: 2x2x2 and 3x3x3.
+REP_POOL_VOLUMES = (8, 27)
 # The example of each int32 class Triton compiles for (make_variant): 1, divisible by 16, other
 # (also every int a kernel does not specialize on: sizes, counts, places).
 INT_ONE, INT_DIV16, INT_PLAIN = 1, 16, 17
@@ -58,8 +52,6 @@ VIEW_KERNELS = ("sorted_map_t", "chunk_order")
 PLAN_CHECK = "plan_bounds"
 IM2COL, IM2COL_CHANNEL_MAJOR = "im2col", "im2col_channel_major"
 POOL_FWD, POOL_BWD = "sparse_pool_fwd", "sparse_pool_bwd"
-# Pool windows of the sparse U-Nets and detectors that pool: 2x2x2 and 3x3x3.
-REP_POOL_VOLUMES = (8, 27)
 # Kernels: short name -> "module:attribute" in KERNEL_PACKAGE.
 KERNELS = {
     GATHER_GEMM: "conv_gather_gemm:conv_gather_gemm_kernel",
@@ -132,57 +124,6 @@ def _int_example(value: int, how: int) -> int:
     return INT_DIV16 if how == SPECIALIZED and value % 16 == 0 else INT_PLAIN
 
 
-ConfigSource = Callable[[], Iterable[tuple[Problem, KernelConfig]]]
-_extra_sources: list[ConfigSource] = []
-
-
-def add_config_source(source: ConfigSource) -> None:
-    """Register more (problem, config) pairs to build."""
-    if source not in _extra_sources:
-        _extra_sources.append(source)
-
-
-def channel_pairs(channels: Iterable[int] | None = None) -> tuple[tuple[int, int], ...]:
-    """(ci, co) pairs to cover: REP_CHANNEL_PAIRS, or every pair of the given widths."""
-    if channels is None:
-        return REP_CHANNEL_PAIRS
-    return tuple(itertools.product(channels, repeat=2))
-
-
-def representative_problems(channels: Iterable[int] | None = None) -> Iterator[Problem]:
-    for dtype, part, n, (ci, co), v in itertools.product(
-            DTYPES, ("fwd", "dgrad", "wgrad"), REP_ROWS, channel_pairs(channels), REP_VOLUMES):
-        rows = n * v if part == "wgrad" else n  # wgrad's rows are pairs
-        algo = choose_algo(part, rows, ci, co, v, dtype)
-        if algo != "explicit":  # explicit: im2col_variants covers its one kernel
-            yield Problem(rows, ci, co, v, dtype, algo, part)
-
-
-def heuristic_source(channels: Iterable[int] | None = None,
-                     targets: Iterable[str] | None = None) -> Iterator[tuple[Problem, KernelConfig]]:
-    """The heuristic's pick for every representative problem on each target's shared memory."""
-    shared = sorted({TARGET_SHARED_MEMORY[t] for t in (targets or TARGET_SHARED_MEMORY)})
-    for problem in representative_problems(channels):
-        for size in shared:
-            yield problem, heuristic_config(problem.family, problem, size)
-
-
-def shipped_table_source() -> Iterator[tuple[Problem, KernelConfig]]:
-    """Configs named by the tuner's shipped tables, for every dtype and the algorithms that can
-    use them (split-K configs only for the split-K algorithms)."""
-    from ..tuning.aot import shipped_configs
-
-    for family, configs in shipped_configs().items():
-        parts = ("wgrad",) if family == WGRAD else ("fwd", "dgrad")
-        for cfg, dtype, part, n in itertools.product(sorted(configs, key=repr), DTYPES, parts, REP_ROWS[:1]):
-            for algo in (("masked_splitk", "implicit_splitk") if cfg.splitk > 1 else ("masked", "implicit")):
-                yield Problem(n, 64, 64, 27, dtype, algo, part), cfg
-
-
-def config_sources(targets: Iterable[str] | None = None) -> list[ConfigSource]:
-    return [lambda: heuristic_source(targets=targets), shipped_table_source, *_extra_sources]
-
-
 def _torch_dtype(dtype: str) -> str:
     return "float32" if dtype == "tf32" else dtype
 
@@ -191,73 +132,84 @@ def _acc_dtype(dtype: str) -> str:
     return "float64" if dtype == "float64" else "float32"
 
 
-def gather_gemm_variants(problem: Problem, cfg: KernelConfig,
-                         hip_backends: tuple[bool, ...] = (False, True)) -> Iterator[Variant]:
-    """The launches of ops.sparse_conv._gather_gemm for one problem and config."""
+def gather_gemm_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
+    """The launches of ops.sparse_conv.gather_gemm for one dispatched launch: grad-input over the
+    forward map reversed (submanifold plans) or the backward map (the others); the forward with
+    and without bias (split-K adds it after the kernel)."""
     from ..ops.sparse_conv import gather_gemm_constexprs
 
-    masked = problem.algo.startswith("masked")
-    if masked and cfg.block_m not in PLAN_BLOCK_SIZES:
-        return
-    feat, i32 = ("tensor", _torch_dtype(problem.dtype)), ("tensor", "int32")
-    out = ("tensor", _acc_dtype(problem.dtype)) if cfg.splitk > 1 else feat
+    problem, cfg = launch.problem, launch.config
+    feat, i32 = ("tensor", _torch_dtype(launch.dtype)), ("tensor", "int32")
+    out = ("tensor", _acc_dtype(launch.dtype)) if cfg.splitk > 1 else feat
     m, k, n = problem.gemm_mkn
     values = dict(src_ptr=feat, weight_ptr=feat, bias_ptr=feat, map_ptr=i32, order_ptr=i32,
                   chunk_order_ptr=i32, valid_kernel_ptr=i32, valid_kernel_seg_ptr=i32, out_ptr=out,
                   M=m, K=k, N=n, V=problem.v)
-    reverses = (True, False) if problem.part == "dgrad" else (False,)
+    reverses = (True,) * (problem.v in SUBMANIFOLD_VOLUMES) + (False,) * (
+        problem.v in STRIDED_VOLUMES) if problem.part == "dgrad" else ()
     biases = (True, False) if problem.part == "fwd" and cfg.splitk == 1 else (False,)
-    for reverse, bias in itertools.product(reverses, biases):
-        for hip in hip_backends:
-            for dtype in runtime_dtypes(problem.dtype, hip):
-                yield make_variant(GATHER_GEMM, values, gather_gemm_constexprs(
-                    cfg, masked, reverse, bias, dtype, hip))
+    masked = problem.algo.startswith("masked")
+    for reverse, bias in itertools.product(reverses or (False,), biases):
+        yield make_variant(GATHER_GEMM, values, gather_gemm_constexprs(
+            cfg, masked, reverse, bias, launch.dtype, hip))
 
 
-def wgrad_variants(problem: Problem, cfg: KernelConfig,
-                   hip_backends: tuple[bool, ...] = (False, True)) -> Iterator[Variant]:
-    """The launch of ops.sparse_conv._wgrad for one problem and config."""
+def wgrad_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
+    """The launch of ops.sparse_conv.wgrad for one dispatched launch (its config already the
+    dtype's: kernel_configs.precision_config)."""
     from ..ops.sparse_conv import wgrad_constexprs
 
-    feat, i32 = ("tensor", _torch_dtype(problem.dtype)), ("tensor", "int32")
-    out = ("tensor", _acc_dtype(problem.dtype)) if cfg.splitk > 1 else feat
-    values = dict(grad_out_ptr=feat, src_ptr=feat, pair_out_ptr=i32, pair_in_ptr=i32,
-                  pair_seg_ptr=i32, out_ptr=out, CO=problem.co, CI=problem.ci, V=problem.v,
-                  S=mirrored_signal_offsets(problem.v))
-    for hip in hip_backends:
-        for dtype in runtime_dtypes(problem.dtype, hip):
-            yield make_variant(WGRAD, values, wgrad_constexprs(
-                precision_config(cfg, WGRAD, dtype, hip), dtype, hip))
+    problem, cfg = launch.problem, launch.config
+    feat, i32 = ("tensor", _torch_dtype(launch.dtype)), ("tensor", "int32")
+    out = ("tensor", _acc_dtype(launch.dtype)) if cfg.splitk > 1 else feat
+    signals = ((mirrored_signal_offsets(problem.v),) * (problem.v in SUBMANIFOLD_VOLUMES)
+               + (problem.v,) * (problem.v in STRIDED_VOLUMES))
+    for signal in signals or (problem.v,):
+        values = dict(grad_out_ptr=feat, src_ptr=feat, pair_out_ptr=i32, pair_in_ptr=i32,
+                      pair_seg_ptr=i32, out_ptr=out, CO=problem.co, CI=problem.ci, V=problem.v,
+                      S=signal)
+        yield make_variant(WGRAD, values, wgrad_constexprs(cfg, launch.dtype, hip))
+
+
+def _submanifold():
+    return [g for g in AOT_GEOMETRIES if g.submanifold]
+
+
+def _strided():
+    return [g for g in AOT_GEOMETRIES if not g.submanifold]
 
 
 def planner_variants() -> Iterator[Variant]:
-    """The launches of flexplan.planner.hashmap: table build and submanifold neighbour map."""
+    """The launches of flexplan.planner.hashmap: table build and submanifold neighbour map, for
+    the submanifold geometries of AOT_GEOMETRIES."""
     from ..planner.hashmap import INSERT_LAUNCH, LOOKUP_LAUNCH
 
     i32, i64 = ("tensor", "int32"), ("tensor", "int64")
     for key_64 in (False, True):
-        common = dict(table_keys=i64, table_vals=i32, coords=i32, nmap=i32, n=REP_ROWS[0],
+        common = dict(table_keys=i64, table_vals=i32, coords=i32, nmap=i32, n=EXAMPLE_ROWS,
                       slot_mask=(1 << 12) - 1, batch_size=2, size_x=REP_GRID[0], size_y=REP_GRID[1],
                       size_z=REP_GRID[2])
-        for k in (1,) + REP_KERNEL_SIZES:  # 1: coords_problems
+        for volume in sorted({1} | {g.volume for g in _submanifold()}):  # 1: coords_problems
             yield make_variant(HASH_INSERT, dict(common, problems=i64),
-                               dict(V=k ** 3, KEY_64=key_64, **INSERT_LAUNCH))
-        for k in REP_KERNEL_SIZES:
+                               dict(V=volume, KEY_64=key_64, **INSERT_LAUNCH))
+        for g in _submanifold():
+            (kx, ky, kz), (dx, dy, dz) = g.kernel_size, g.dilation
             yield make_variant(HASH_SUBM_NMAP, common, dict(
-                KX=k, KY=k, KZ=k, DX=1, DY=1, DZ=1, KEY_64=key_64, **LOOKUP_LAUNCH))
+                KX=kx, KY=ky, KZ=kz, DX=dx, DY=dy, DZ=dz, KEY_64=key_64, **LOOKUP_LAUNCH))
 
 
 def segment_variants() -> Iterator[Variant]:
     """The launches of flexplan.planner.segments_triton (Gray-code order, per-block offsets,
-    grad-weight pairs) and of the plan cache's coordinate hash (flexplan.coords_hash)."""
+    grad-weight pairs) and of the plan cache's coordinate hash (flexplan.coords_hash), for the
+    volumes of AOT_GEOMETRIES."""
     from ..coords_hash import _TRITON_BLOCK
     from ..planner import segments_triton as seg
     from ..planner.segments import rank_words
 
     i32, i64 = ("tensor", "int32"), ("tensor", "int64")
     smallest, levels = seg.block_levels(PLAN_BLOCK_SIZES)
-    m = REP_ROWS[0]  # (no size is specialized: one row count serves all)
-    for v in sorted({k ** 3 for k in REP_KERNEL_SIZES} | {g.volume for g in REP_GENERATIVE}):
+    m = EXAMPLE_ROWS  # (no size is specialized: one row count serves all)
+    for v in sorted({g.volume for g in AOT_GEOMETRIES}):
         bits, dtype, words = rank_words(v)
         word = ("tensor", str(dtype).removeprefix("torch."))
         n_blocks = sum(-(-m // (smallest << l)) for l in range(levels))
@@ -269,29 +221,32 @@ def segment_variants() -> Iterator[Variant]:
         # build_plan (two flags: the coords check) and the schedule alone; scans of int32 and int64
         for num_flags, scan in itertools.product((0, 2), (i32, i64)):
             yield make_variant("schedule_offsets", dict(
-                sorted_ranks=word, order=i64, sorted_idx=i32, counts=i32, scan=scan, plan_out=i32,
-                readback=i64, n=m, entries=m, kernels_at=m, segs_at=m + n_blocks * v, chunks=1,
-                tiles=2), dict(level_constexprs, V=v, FLAGS=num_flags, **seg.SCHEDULE_LAUNCH))
-        # submanifold plans, strided ones
-        for offsets, scan in itertools.product((mirrored_signal_offsets(v), v), (i32, i64)):
+                sorted_ranks=word, order=i64, sorted_idx=i32, counts=i32, scan=scan,
+                plan_out=i32, readback=i64, n=m, entries=m, kernels_at=m, segs_at=m + n_blocks * v,
+                chunks=1, tiles=2), dict(level_constexprs, V=v, FLAGS=num_flags, **seg.SCHEDULE_LAUNCH))
+        # submanifold plans keep the mirrored half of the offsets, the others all of them
+        offsets = ((mirrored_signal_offsets(v),) * (v in SUBMANIFOLD_VOLUMES)
+                   + (v,) * (v in STRIDED_VOLUMES))
+        for signal, scan in itertools.product(offsets, (i32, i64)):
             yield make_variant("pairs", dict(nmap=i32, scan=scan, pair_rows=i32, room=m, seg=i32,
                                              n=m),
-                               dict(V=v, SIGNAL=offsets, **seg.PAIRS_LAUNCH,
-                                    V_CHUNK=seg.pairs_v_chunk(offsets)))
+                               dict(V=v, SIGNAL=signal, **seg.PAIRS_LAUNCH,
+                                    V_CHUNK=seg.pairs_v_chunk(signal)))
     yield make_variant(PLAN_HASH, dict(words_ptr=i64, partial_ptr=i64, n_words=m), dict(BLOCK=_TRITON_BLOCK))
 
 
 def generative_variants() -> Iterator[Variant]:
     """The launches of flexplan.planner.generative_triton (strided and transposed plans; their
-    schedules: segment_variants), for REP_GENERATIVE and both key dtypes."""
+    schedules: segment_variants), for the strided and transposed geometries of AOT_GEOMETRIES
+    and both key dtypes."""
     import torch
 
     from ..planner import generative_triton as gen
 
     i32, i64 = ("tensor", "int32"), ("tensor", "int64")
-    n = REP_ROWS[0]
+    n = EXAMPLE_ROWS
     grid = dict(size_x=REP_GRID[0], size_y=REP_GRID[1], size_z=REP_GRID[2])
-    for geometry, key_dtype in itertools.product(REP_GENERATIVE, (torch.int32, torch.int64)):
+    for geometry, key_dtype in itertools.product(_strided(), (torch.int32, torch.int64)):
         keys = ("tensor", str(key_dtype).removeprefix("torch."))
         sent, slots = gen.SENTINEL[key_dtype], gen.candidate_slots(geometry)
         per_axis = {f"{name}{axis}": value for name, values in (
@@ -308,7 +263,7 @@ def generative_variants() -> Iterator[Variant]:
                 total=n * slots, n_in=n, **grid), dict(T=slots, V=geometry.volume, SENT=sent,
                                                       WRITE_BWD=not write_fwd, WRITE_FWD=write_fwd,
                                                       **gen.ENTRIES_LAUNCH))
-    for volume in sorted({g.volume for g in REP_GENERATIVE}):  # an inverse conv's bwd map
+    for volume in sorted(STRIDED_VOLUMES):  # an inverse conv's bwd map
         yield make_variant("transpose_map", dict(fwd=i32, bwd=i32, entries=n * volume),
                            dict(V=volume, **gen.TRANSPOSE_LAUNCH))
 
@@ -319,8 +274,8 @@ def view_variants() -> Iterator[Variant]:
     from ..kernel_configs import SCHEDULE_CHUNK
     from ..plan import CHUNK_ORDER_LAUNCH, SORTED_MAP_T_LAUNCH
 
-    i32, m = ("tensor", "int32"), REP_ROWS[0]
-    yield make_variant("sorted_map_t", dict(nmap=i32, sorted_idx=i32, out=i32, m=m, V=REP_VOLUMES[0]),
+    i32, m = ("tensor", "int32"), EXAMPLE_ROWS
+    yield make_variant("sorted_map_t", dict(nmap=i32, sorted_idx=i32, out=i32, m=m, V=27),
                        SORTED_MAP_T_LAUNCH)
     yield make_variant("chunk_order", dict(sorted_idx=i32, order=i32, m=m),
                        dict(CHUNK=SCHEDULE_CHUNK, **CHUNK_ORDER_LAUNCH))
@@ -334,16 +289,20 @@ def check_variants() -> Iterator[Variant]:
                        PLAN_CHECK_LAUNCH)
 
 
+def _feature_dtypes() -> list[str]:
+    """The torch dtypes of the covered dtypes (tf32 is float32)."""
+    return sorted({_torch_dtype(d) for d in AOT_DTYPES})
+
+
 def im2col_variants() -> Iterator[Variant]:
     """The launches of ops.sparse_conv._im2col_chunks (the explicit algorithm's gathers), for
     every feature dtype; their tiles are fixed, so rows and channels only vary the int classes."""
     from ..kernel_configs import IM2COL_BLOCK_K, IM2COL_BLOCK_M, im2col_channel_major_blocks
 
     i32 = ("tensor", "int32")
-    for dtype, rows, v in itertools.product(sorted({_torch_dtype(d) for d in DTYPES}), REP_ROWS[:1],
-                                            REP_VOLUMES):
+    for dtype, v in itertools.product(_feature_dtypes(), EXPLICIT_VOLUMES):
         values = dict(src_ptr=("tensor", dtype), map_ptr=i32, out_ptr=("tensor", dtype), row_start=0,
-                      rows=rows, K=1024, V=v)
+                      rows=EXAMPLE_ROWS, K=1024, V=v)
         yield make_variant(IM2COL, values, dict(BLOCK_M=IM2COL_BLOCK_M, BLOCK_K=IM2COL_BLOCK_K))
         block_m, block_k, v_pad = im2col_channel_major_blocks(v)
         for reverse in (False, True):  # grad-input of strided plans, of submanifold ones
@@ -353,51 +312,71 @@ def im2col_variants() -> Iterator[Variant]:
 
 def pool_variants() -> Iterator[Variant]:
     """The launches of ops.sparse_pool (max / avg, forward with and without what the backward
-    reads, backward) for the 16-bit and float32 feature dtypes, channel counts divisible by 16
-    (others JIT-compile) and REP_POOL_VOLUMES."""
+    reads, backward) for the covered feature dtypes, channel counts divisible by 16 (others
+    JIT-compile) and REP_POOL_VOLUMES."""
     import torch
 
     from ..ops.sparse_pool import pool_backward_constexprs, pool_forward_constexprs
 
     i32, f32 = ("tensor", "int32"), ("tensor", "float32")
-    dtypes = sorted({_torch_dtype(d) for d in DTYPES} - {"float64"})
-    for dtype, mode, volume in itertools.product(dtypes, ("max", "avg"), REP_POOL_VOLUMES):
+    for dtype, mode, volume in itertools.product(_feature_dtypes(), ("max", "avg"), REP_POOL_VOLUMES):
         feats, torch_dtype = ("tensor", dtype), getattr(torch, dtype)
         # inference, training; the max floored at 0 (the spconv layers') and the plain one
         floors = (True, False) if mode == "max" else (False,)
         for write_arg, zero_floor in itertools.product((False, True), floors):
             yield make_variant(POOL_FWD, dict(feats=feats, nmap=i32, out=feats, arg=i32, count=f32,
-                                              rows=REP_ROWS[0], C=INT_DIV16),
+                                              rows=EXAMPLE_ROWS, C=INT_DIV16),
                                pool_forward_constexprs(mode, volume, write_arg, torch_dtype,
                                                        zero_floor))
         yield make_variant(POOL_BWD, dict(grad_out=feats, bmap=i32, arg=i32, count=f32,
-                                          grad_in=feats, rows=REP_ROWS[0], C=INT_DIV16),
+                                          grad_in=feats, rows=EXAMPLE_ROWS, C=INT_DIV16),
                            pool_backward_constexprs(mode, volume, torch_dtype))
 
 
 _VARIANTS_OF = {GATHER_GEMM: gather_gemm_variants, WGRAD: wgrad_variants}
 
 
+def conv_variants(target: str, channels: Iterable[int] | None = None) -> list[Variant]:
+    """The conv kernels' variants of one target: the launches dispatch makes there
+    (flexplan.tuning.aot.conv_launches), one per specialization."""
+    hip = TARGETS[target][0] == "hip"
+    pairs = tuple(itertools.product(channels, repeat=2)) if channels is not None else None
+    return list(_variants_of(conv_launches(target, hip, TARGET_SHARED_MEMORY[target], pairs), hip))
+
+
+@functools.lru_cache(maxsize=64)
+def _variants_of(launches: tuple[ConvLaunch, ...], hip: bool) -> tuple[Variant, ...]:
+    # Launches that differ only in sizes of one int class are one specialization: group them
+    # first (tens of thousands of launches, a few hundred variants), keeping their stable order
+    # (a sampled build takes the first variants).
+    groups = {}
+    for launch in launches:
+        p = launch.problem
+        key = (launch.dtype, p.part, p.algo, p.v, launch.config,
+               _int_example(p.ci, SPECIALIZED), _int_example(p.co, SPECIALIZED))
+        groups.setdefault(key, launch)
+    seen: dict[Variant, None] = {}
+    for launch in groups.values():
+        for variant in _VARIANTS_OF[launch.problem.family](launch, hip):
+            seen.setdefault(variant, None)
+    return tuple(seen)
+
+
 def enumerate_variants(kernel_filter: str | None = None, channels: Iterable[int] | None = None,
                        targets: Iterable[str] | None = None) -> list[Variant]:
     """Every variant to build for these targets (default: all), deduplicated, in a stable order;
-    kernel_filter keeps the kernels whose short name contains it."""
+    kernel_filter keeps the kernels whose short name contains it; channels: cover these layer
+    widths (every pair) instead of the default ones."""
     seen: dict[Variant, None] = {}
     for variant in itertools.chain(planner_variants(), segment_variants(), generative_variants(),
                                    view_variants(), check_variants(), im2col_variants(),
                                    pool_variants()):
         if not kernel_filter or kernel_filter in variant.kernel:
             seen.setdefault(variant, None)
-    # A target's backend decides float32's dot precision (kernel_configs.dot_precision).
-    hip_backends = tuple(sorted({TARGETS[t][0] == "hip" for t in (targets or TARGETS)}))
-    sources = config_sources(targets)
-    if channels is not None:  # narrowed to these widths: the heuristic over them, nothing else
-        sources = [lambda: heuristic_source(channels, targets)]
-    for source in sources:
-        for problem, cfg in source():
-            family = problem.family
-            if kernel_filter and kernel_filter not in family:
-                continue
-            for variant in _VARIANTS_OF[family](problem, cfg, hip_backends):
-                seen.setdefault(variant, None)
+    if not kernel_filter or any(kernel_filter in family for family in _VARIANTS_OF):
+        channels = tuple(channels) if channels is not None else None
+        for target in (targets or TARGETS):
+            for variant in conv_variants(target, channels):
+                if not kernel_filter or kernel_filter in variant.kernel:
+                    seen.setdefault(variant, None)
     return list(seen)

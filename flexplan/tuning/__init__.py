@@ -4,7 +4,8 @@ select_config(family, problem) is what ops call to pick a kernel config: the tun
 entry for the problem's bucket (buckets.py; tables: table.py, shipped ones in tables/), else the
 heuristic default from flexplan.kernel_configs (dispatch.py; run-time tuning: online.py).
 `python -m flexplan tune` (cli.py) measures configs (tuner.py) on sphere shells (cases.py).
-configs_for_aot() lists every config dispatch can return, for the AOT build (aot.py).
+aot.py defines what the AOT build covers: the layer shapes and the conv launches dispatch makes
+for them (conv_launches); configs_for_aot() lists every config dispatch can return.
 
 Two directions in one package: selection (dispatch, table, buckets, device, aot) sits below the
 ops and never imports them or the tuner; tuning (tuner, cases, online, cli) sits above them,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import asdict, dataclass
+from ..versions import triton_version  # (tables record the version they were tuned under)
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,6 @@ class DeviceKey:
         if not all((key.name, key.arch, key.triton)) or key.sms <= 0:
             raise ValueError(f"bad device key {data!r}")
         return key
-
-
-def triton_version() -> str:
-    import triton
-
-    return triton.__version__
 
 
 @functools.lru_cache(maxsize=None)

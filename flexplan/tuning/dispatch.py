@@ -76,6 +76,16 @@ def select_config(family: str, problem: Problem) -> KernelConfig:
     return config
 
 
+def config_from(configs: dict, family: str, problem: Problem,
+                shared_memory: int | None = None) -> KernelConfig:
+    """The rule select_config applies with a device's tables `configs` ({Bucket: KernelConfig}):
+    the problem's bucket's tuned config, else the heuristic on the exact problem (on a GPU with
+    shared_memory bytes per program; default: this one). The AOT build enumerates it per target
+    (flexplan/tuning/aot.py)."""
+    config = configs.get(Bucket.of(problem))
+    return config if config is not None else heuristic_config(family, problem, shared_memory)
+
+
 def _config_for(family: str, problem: Problem, index) -> KernelConfig:
     bucket = Bucket.of(problem)
     config = _memo.get((index, bucket))

@@ -82,11 +82,18 @@ def main():
 
     for b in batches[:10]:
         step(b)
+    allocator = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+    before = {k: torch.cuda.memory_stats().get(k, 0) for k in allocator}
     start = time.perf_counter()
     for b in batches[10:]:
         step(b)
     print(f"{args.impl} {args.network} {args.phase} {args.coords}: "
           f"{(time.perf_counter() - start) / args.steps * 1e3:.1f} ms per step without the profiler")
+    # cudaMalloc / cudaFree calls of the caching allocator during the timed steps (each costs
+    # far more than a launch): sizes that change every step can fragment its pools.
+    print("allocator calls per step: " + ", ".join(
+        f"{k} {(torch.cuda.memory_stats().get(k, 0) - before[k]) / args.steps:.2f}"
+        for k in allocator))
     if not args.no_cprofile:
         prof = cProfile.Profile()
         batches = new_batches(0 if args.coords == "same" else 100)

@@ -3,6 +3,7 @@
 Root: $FLEXPLAN_CACHE_DIR if set, else the per-user cache dir (platformdirs, e.g.
 ~/.cache/flexplan on Linux). Each kind of file has its own subdirectory and function; callers
 create the directory when they write (a read-only or missing root must not break imports).
+Also where the package ships its own files (tuned tables, AOT bundles), read-only.
 """
 from __future__ import annotations
 
@@ -46,3 +47,16 @@ def aot_cache_dir() -> Path:
 def tuning_dir() -> Path:
     """Autotuned kernel-config tables (flexplan.tuning)."""
     return cache_root() / "tuning"
+
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def shipped_tables_dir() -> Path:
+    """Tuned kernel-config tables shipped with the package, one JSON file per known GPU."""
+    return PACKAGE_DIR / "tuning" / "tables"
+
+
+def shipped_bundles_dir() -> Path:
+    """AOT bundles shipped inside the package (none in a source checkout)."""
+    return PACKAGE_DIR / "aot" / "bundles"

@@ -40,7 +40,8 @@ from flexplan.tuning.buckets import Bucket  # noqa: E402
 from flexplan.tuning.cases import part_case, shell_workload, torch_dtype  # noqa: E402
 from flexplan.tuning.cli import DEFAULT_DTYPES, DEFAULT_SHELLS  # noqa: E402
 from flexplan.tuning.device import DeviceKey, device_key  # noqa: E402
-from flexplan.tuning.table import SHIPPED_DIR, TuningTable, read_table, write_table  # noqa: E402
+from flexplan.paths import shipped_tables_dir  # noqa: E402
+from flexplan.tuning.table import TuningTable, read_table, write_table  # noqa: E402
 from flexplan.tuning.tuner import do_bench_median, tune_cases  # noqa: E402
 
 from bench_common import today  # noqa: E402
@@ -186,7 +187,7 @@ def main() -> int:
 
         def bench(fn):
             return do_bench_median(fn, warmup_ms=5, rep_ms=20)
-        table_path = str(SHIPPED_DIR / f"{key.slug}.json")
+        table_path = str(shipped_tables_dir() / f"{key.slug}.json")
         results_path = RESULTS
     index = None if args.smoke else torch.cuda.current_device()
     table = TuningTable(key, {})

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from flexplan import paths
 import torch
 
 from flexplan.aot.variants import enumerate_variants
@@ -101,7 +103,7 @@ def sm90_host(monkeypatch, tmp_path):
 
     shipped = tmp_path / "shipped"
     shipped.mkdir()
-    monkeypatch.setattr(table, "SHIPPED_DIR", shipped)
+    monkeypatch.setattr(paths, "shipped_tables_dir", lambda: shipped)
     monkeypatch.setenv("FLEXPLAN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(dispatch.TUNE_ENV, raising=False)
     monkeypatch.setattr(dispatch, "current_device_index", lambda: None)
@@ -162,7 +164,7 @@ def test_tables_of_another_triton_or_gpu_are_not_built(monkeypatch, tmp_path):
     bucket = Bucket("fwd", "masked", "float16", 27, 64, 64, 1 << 20)
     table.write_table(TuningTable(gpu, {bucket: Entry(KernelConfig(64, 64, 32, 1, 8, 3), 1, 2, 3)}),
                       shipped / "gpu.json")
-    monkeypatch.setattr(table, "SHIPPED_DIR", shipped)
+    monkeypatch.setattr(paths, "shipped_tables_dir", lambda: shipped)
     assert coverage.target_tables("sm_90") == {}
     assert coverage.target_tables("sm_80") == {}
 

@@ -9,6 +9,8 @@ import pathlib
 import warnings
 
 import pytest
+
+from flexplan import paths
 import torch
 
 from flexplan.kernel_configs import (GATHER_GEMM, WGRAD, KernelConfig, Problem, candidate_configs,
@@ -36,7 +38,7 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(dispatch, "device_key", lambda index: GPU)
     shipped = tmp_path / "shipped"
     shipped.mkdir()
-    monkeypatch.setattr(table, "SHIPPED_DIR", shipped)
+    monkeypatch.setattr(paths, "shipped_tables_dir", lambda: shipped)
     dispatch.reset()
     yield shipped
     dispatch.reset()

@@ -16,6 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import paths
 from ..paths import aot_cache_dir
 from .keys import MANIFEST_FORMAT, MANIFEST_NAME, triton_version
 
@@ -24,7 +25,6 @@ log = logging.getLogger("flexplan.aot")
 AOT_PATH_ENV = "FLEXPLAN_AOT_PATH"
 # Entry point group of installed bundle packages: name = the package holding manifest.json.
 ENTRY_POINT_GROUP = "flexplan.aot_bundles"
-SHIPPED_DIR = Path(__file__).parent / "bundles"
 
 
 @dataclass
@@ -52,7 +52,7 @@ def bundle_dirs() -> list[Path]:
     dirs = [Path(p) for p in os.environ.get(AOT_PATH_ENV, "").split(os.pathsep) if p]
     dirs += _bundles_under(aot_cache_dir())
     dirs += installed_bundle_dirs()
-    return dirs + _bundles_under(SHIPPED_DIR)
+    return dirs + _bundles_under(paths.shipped_bundles_dir())
 
 
 def _bundles_under(parent: Path) -> list[Path]:

@@ -19,12 +19,12 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ..kernel_configs import CANDIDATE_AXES, KernelConfig, heuristic_config
+from .. import paths
 from ..paths import tuning_dir
 from .buckets import Bucket
 from .device import DeviceKey
 
 SCHEMA_VERSION = 1
-SHIPPED_DIR = Path(__file__).with_name("tables")
 _CONFIG_FIELDS = tuple(f.name for f in fields(KernelConfig))
 
 
@@ -153,4 +153,4 @@ def user_table_path(device: DeviceKey) -> Path:
 
 
 def shipped_table_paths() -> list[Path]:
-    return sorted(SHIPPED_DIR.glob("*.json"))
+    return sorted(paths.shipped_tables_dir().glob("*.json"))

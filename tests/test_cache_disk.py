@@ -3,6 +3,7 @@ the cost policy, shipping plans with a model, and the CLI."""
 import dataclasses
 import errno
 import os
+import tempfile
 import time
 import warnings
 
@@ -214,7 +215,7 @@ def test_read_only_directory_still_serves_its_plans(tmp_path, monkeypatch, recwa
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(disk_module.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)  # (atomic_write makes the temp files)
     monkeypatch.setattr(disk_module.filelock.FileLock, "acquire", read_only)
     cache = cache_at(tmp_path)
     check_conv(cache.get_or_build(old, SHAPE, 2, GEOM), old, 3)

@@ -13,7 +13,7 @@ The journal (`seen-keys.log`) is a hint, not a record: one key (32 hex digits) p
 - It is read once when first needed, then only its new bytes, at most every REREAD_SECONDS and
   only if its size or inode changed. Lines that are not exactly 32 hex digits (a torn append,
   garbage) are ignored.
-- Past 2 * keep keys it is rewritten with the newest `keep` (temp file + os.replace). Appends
+- Past 2 * keep keys it is rewritten with the newest `keep` (atomic_write). Appends
   racing with that rewrite may be lost: a lost sighting only delays a store by one sighting.
 - A directory that refuses the writes (read-only, full, EFBIG, no permission) keeps the sightings
   in memory for this process, with one warning; nothing here raises into a convolution.
@@ -25,12 +25,12 @@ import contextlib
 import multiprocessing.util
 import os
 import re
-import tempfile
 import threading
 import time
 import warnings
 import weakref
 from pathlib import Path
+from ..atomic_write import atomic_write
 
 JOURNAL_NAME = "seen-keys.log"
 KEEP_KEYS = 100_000    # the journal keeps the newest this many keys; this process at most twice
@@ -172,15 +172,8 @@ class SeenKeys:
         """Rewrite the journal with its newest `keep` distinct keys, atomically."""
         keys = _read_keys(self.path, 4 * self.keep * _LINE)
         newest = list(dict.fromkeys(reversed(keys)))[: self.keep][::-1]
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tmp-seen-")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write("".join(f"{k}\n" for k in newest).encode())
-            os.replace(tmp, self.path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        with atomic_write(self.path, prefix=".tmp-seen-") as out:
+            out.write("".join(f"{k}\n" for k in newest).encode())
 
     # ---- maintenance -----------------------------------------------------------------------
     def journal_keys(self) -> int:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import filelock
 
+from ..atomic_write import atomic_write
 from .format import SUFFIX, PlanFileError, read_plan, write_plan
 from .key import identity_binding_problem
 
@@ -144,23 +144,15 @@ class DiskCache:
         """Write the plan atomically; False (and writes off) if the directory refuses."""
         if not self.writable or not self.trusted:
             return False
-        tmp = None
         try:
             # 0700: only we may write where plans are read from (the trust boundary above)
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=_TEMP_PREFIX, suffix=SUFFIX)
-            with os.fdopen(fd, "wb") as out:
+            with atomic_write(self.path(key), prefix=_TEMP_PREFIX, suffix=SUFFIX) as out:
                 write_plan(out, plan, key, extra)
-            os.replace(tmp, self.path(key))
-            tmp = None
         except OSError as exc:
             if not self._writable_error(exc):
                 raise
             return False
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
         self.evict(self.max_bytes)
         return True
 

@@ -13,6 +13,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from ..atomic_write import atomic_write
 from .. import paths
 from ..geometry import ConvGeometry, triple
 from ..plan import ConvPlan
@@ -392,10 +393,10 @@ class PlanCache:
             if binding is None:
                 raise ValueError(f"save_plans: plan {key} cannot be bound to its coordinates "
                                  "(a strided plan this cache did not hand out under this key)")
-            tmp = directory / f".tmp-{key}{SUFFIX}"
-            with open(tmp, "wb") as out:
+            # (readable by others: shipped plans are read by every node's job)
+            with atomic_write(directory / f"{key}{SUFFIX}", suffix=SUFFIX,
+                              permissions=0o644) as out:
                 write_plan(out, plan, key, binding)
-            os.replace(tmp, directory / f"{key}{SUFFIX}")
             keys.append(key)
         return keys
 

@@ -6,7 +6,7 @@
 
 Tables live in the user cache dir (flexplan.paths.tuning_dir(), written by `python -m flexplan
 tune` and by run-time tuning) and inside the package (flexplan/tuning/tables/, for known GPUs).
-Writes are atomic (temp file + os.replace) under a file lock, so concurrent tuners merge their
+Writes are atomic (flexplan.atomic_write) under a file lock, so concurrent tuners merge their
 entries instead of losing them.
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from ..atomic_write import atomic_write
 from ..kernel_configs import CANDIDATE_AXES, KernelConfig, heuristic_config
 from .. import paths
 from ..paths import tuning_dir
@@ -136,15 +136,9 @@ def merge_into(path, table: TuningTable) -> TuningTable:
 
 
 def _replace(path: Path, table: TuningTable) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(table.to_json(), f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_write(path, "w", prefix=path.name, suffix=".tmp") as f:
+        json.dump(table.to_json(), f, indent=1)
+        f.write("\n")
 
 
 def user_table_path(device: DeviceKey) -> Path:

@@ -3,8 +3,8 @@
     python -m aot.compile_one SPEC.json ENTRY.json --triton-version V --source-hash H
 
 The version and source hash sit on the command line so that ninja rebuilds the edge when either
-changes. Kept light: the kernel module is imported without flexplan's package __init__ (which
-pulls in torch), because ninja starts one such process per artifact.
+changes. Kept light: flexplan's package imports its names lazily, so the kernel module comes
+without torch (ninja starts one such process per artifact).
 """
 from __future__ import annotations
 
@@ -18,15 +18,12 @@ import sys
 import warnings
 from pathlib import Path
 
-from aot import light_flexplan
-
 os.environ.pop("TRITON_INTERPRET", None)  # the build compiles; it never interprets
 # Triton 3.9 warns once per process about its FP-fusion default; here that is once per edge.
 warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
 
 
 def _import_kernel(spec: dict):
-    light_flexplan()
     return getattr(importlib.import_module(spec["module"]), spec["attr"])
 
 

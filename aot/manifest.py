@@ -8,11 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from aot import light_flexplan
-
 
 def write_manifest(bundle: Path, entry_files: list[str]) -> Path:
-    light_flexplan()
     from flexplan.aot.keys import MANIFEST_FORMAT, MANIFEST_NAME
 
     entries = [json.loads((bundle / f).read_text()) for f in entry_files]

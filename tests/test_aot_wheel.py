@@ -104,8 +104,8 @@ def venv_with_wheels(tmp_path_factory):
 _FIND = r'''
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from aot import light_flexplan
-light_flexplan()  # the runtime's bundle search without torch
+import flexplan.aot.bundle  # noqa: F401 (the runtime's bundle search, without torch:)
+assert "torch" not in sys.modules
 from flexplan.aot.bundle import bundle_dirs, read_bundle
 print(json.dumps([[str(d), read_bundle(d).problem, len(read_bundle(d).entries)] for d in bundle_dirs()]))
 '''

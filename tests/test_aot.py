@@ -374,44 +374,77 @@ class RecordingKernel:
         launches.append(dict(grid=list(grid), stream=stream, count=len(params), values=values))
 
 direct.CudaKernel = RecordingKernel
-manifest = {e["key"]: e for e in json.load(open(os.path.join(sys.argv[2], "manifest.json")))["entries"]}
 
-def request(kernel, change=None):
-    variant = next(v for v in enumerate_variants() if v.kernel == kernel)
-    fn = getattr(importlib.import_module(variant.module), variant.attr)
-    kwargs = dict(variant.constexprs, **(change or {}))
-    entry = manifest.get(Specializer("sm_90").spec(variant)["key"], {})
-    sizes[:] = entry.get("param_bytes", [])
-    args = [_example(a) for a in variant.args]
-    served = direct.launch(fn, (5, 2), args, kwargs) is not None
-    signature = entry.get("signature", {})
-    expected = [a.data_ptr() if isinstance(a, torch.Tensor) else a
-                for name, a in zip(fn.arg_names, args) if signature.get(name) != "constexpr"]
-    return {"served": served, "expected": expected + [0, 0], "param_bytes": entry.get("param_bytes")}
+def probe(bundle_dir):
+    """The requests below against the bundle at bundle_dir, from runtime.reset() on."""
+    manifest = {e["key"]: e for e in json.load(open(os.path.join(bundle_dir, "manifest.json")))["entries"]}
+    loads.clear()
+    launches.clear()
 
-os.environ["FLEXPLAN_AOT_PATH"] = sys.argv[2]
-runtime.reset()
-out = {"wgrad": request("conv_wgrad"), "gemm": request("conv_gather_gemm"),
-       "other_warps": request("conv_wgrad", {"num_warps": 2})}
-triton.knobs.runtime.launch_enter_hook.add(lambda *_: None)  # a profiler: Triton must see launches
-out["profiled"] = request("conv_wgrad")
-out.update(loads=loads, launches=launches, stats=dict(runtime.stats), triton_driver_started=driver._default is not None)
-print("RESULT " + json.dumps(out))
+    def request(kernel, change=None):
+        variant = next(v for v in enumerate_variants() if v.kernel == kernel)
+        fn = getattr(importlib.import_module(variant.module), variant.attr)
+        kwargs = dict(variant.constexprs, **(change or {}))
+        entry = manifest.get(Specializer("sm_90").spec(variant)["key"], {})
+        sizes[:] = entry.get("param_bytes", [])
+        args = [_example(a) for a in variant.args]
+        served = direct.launch(fn, (5, 2), args, kwargs) is not None
+        signature = entry.get("signature", {})
+        expected = [a.data_ptr() if isinstance(a, torch.Tensor) else a
+                    for name, a in zip(fn.arg_names, args) if signature.get(name) != "constexpr"]
+        return {"served": served, "expected": expected + [0, 0], "param_bytes": entry.get("param_bytes")}
+
+    os.environ["FLEXPLAN_AOT_PATH"] = bundle_dir
+    runtime.reset()
+    out = {"wgrad": request("conv_wgrad"), "gemm": request("conv_gather_gemm"),
+           "other_warps": request("conv_wgrad", {"num_warps": 2})}
+    profiler = lambda *_: None  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(profiler)  # a profiler: Triton must see launches
+    out["profiled"] = request("conv_wgrad")
+    triton.knobs.runtime.launch_enter_hook.remove(profiler)
+    out.update(loads=list(loads), launches=list(launches), stats=dict(runtime.stats),
+               triton_driver_started=driver._default is not None)
+    return out
+
+for scenario in sys.argv[1:]:  # NAME=BUNDLE_DIR: the LOG lines up to its RESULT line are its own
+    name, path = scenario.split("=", 1)
+    print("SCENARIO " + name, flush=True)
+    print("RESULT " + json.dumps(probe(path)), flush=True)
 '''
 
 
-def _direct_probe(bundle_dir: Path, work: Path):
-    proc = subprocess.run([sys.executable, "-c", _DIRECT_PROBE, "probe", str(bundle_dir)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300,
+@pytest.fixture(scope="module")
+def direct_probe(bundle, tmp_path_factory):
+    """The direct launcher on a fake sm_90 device, one process for two bundles (name -> (result,
+    LOG lines)): "old", the bundle with the parameter sizes gone from its manifest (an older
+    build's), then "good", the bundle as built."""
+    out, _ = bundle
+    work = tmp_path_factory.mktemp("aot-direct")
+    old = work / "old"
+    shutil.copytree(out, old, ignore=shutil.ignore_patterns("specs", ".triton-cache"))
+    manifest = _manifest(old)
+    for e in manifest["entries"]:
+        e.pop("param_bytes", None)
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    proc = subprocess.run([sys.executable, "-c", _DIRECT_PROBE, f"old={old}", f"good={out}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=_env(FLEXPLAN_CACHE_DIR=str(work / "cache")))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(result[len("RESULT "):]), [line for line in proc.stdout.splitlines() if line.startswith("LOG ")]
+    found, name = {}, None
+    for line in proc.stdout.splitlines():
+        if line.startswith("SCENARIO "):
+            name = line[len("SCENARIO "):]
+            found[name] = (None, [])
+        elif line.startswith("RESULT "):
+            found[name] = (json.loads(line[len("RESULT "):]), found[name][1])
+        elif line.startswith("LOG "):
+            found[name][1].append(line)
+    assert list(found) == ["old", "good"] and all(r is not None for r, _ in found.values()), proc.stdout
+    return found
 
 
-def test_direct_launch_passes_the_binarys_parameters(bundle, tmp_path):
-    out, _ = bundle
-    result, _ = _direct_probe(out, tmp_path)
+def test_direct_launch_passes_the_binarys_parameters(direct_probe):
+    result, _ = direct_probe["good"]
     assert result["wgrad"]["served"] and result["gemm"]["served"]
     assert result["other_warps"]["served"] is False  # not in the bundle: left to Triton's JIT
     assert result["profiled"]["served"] is False  # launch hooks set: left to Triton's launcher
@@ -427,15 +460,8 @@ def test_direct_launch_passes_the_binarys_parameters(bundle, tmp_path):
         assert launch["values"] == request["expected"]  # pointers, ints, then two null scratch pointers
 
 
-def test_direct_launch_refuses_an_entry_without_parameter_sizes(bundle, tmp_path):
-    out, _ = bundle
-    old = tmp_path / "old"
-    shutil.copytree(out, old, ignore=shutil.ignore_patterns("specs", ".triton-cache"))
-    manifest = _manifest(old)
-    for e in manifest["entries"]:
-        e.pop("param_bytes", None)
-    (old / "manifest.json").write_text(json.dumps(manifest))
-    result, logs = _direct_probe(old, tmp_path)
+def test_direct_launch_refuses_an_entry_without_parameter_sizes(direct_probe):
+    result, logs = direct_probe["old"]
     assert not result["wgrad"]["served"] and not result["gemm"]["served"] and result["loads"] == []
     lines = [line for line in logs if "launching it through Triton's launcher" in line]
     assert len(lines) == 2 and "no parameter layout" in lines[0], logs

@@ -190,7 +190,9 @@ def test_checksummed_file_with_unsound_contents_is_refused(tmp_path, monkeypatch
         monkeypatch.setattr(format_module, "_check_kernel_runs_on", lambda tensors: False)
     else:  # small programs: the map spans many, and a defect may sit in any of them
         monkeypatch.setattr(format_module, "PLAN_CHECK_LAUNCH", dict(BLOCK=32, ITERS=2, num_warps=4))
-    plan = build_plan(make_coords(), SHAPE, 2, GEOMETRIES[2])
+    # 40 voxels: a grid of 32 x 23 programs (the longest tensor, the forward map of 74 x 27
+    # entries, x the tensors checked), each a round through the interpreter.
+    plan = build_plan(make_coords(num=40), SHAPE, 2, GEOMETRIES[2])
     assert format_module.plan_problem(plan) is None
     fwd = plan.fwd
     if damage in ("map_row", "map_last"):  # map_last: past the check's first block of entries

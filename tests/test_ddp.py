@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -31,11 +32,15 @@ def _assert_grads_close(got: dict, want: dict, rtol: float, atol: float):
                     reason="CPU tensors run the kernels only through the interpreter")
 def test_gloo_ranks_sharing_a_cache_average_single_process_gradients(tmp_path):
     """2 CPU ranks (plain BatchNorm: per-rank statistics), fresh coordinates per rank, one cache
-    directory: DDP's gradient is the mean of the two single-process gradients."""
+    directory: DDP's gradient is the mean of the two single-process gradients. One scan per
+    rank: every kernel runs through the interpreter, four times (two ranks, two references)."""
     job = ddp_train.Job(network="encoder", small=True, device="cpu", dtype="fp32",
-                        record_grads=True, cache_dir=str(tmp_path / "cache"))
-    results = ddp_train.run(2, job)
-    per_rank = [ddp_train.single_process_grads(job, r, torch.device("cpu")) for r in range(2)]
+                        scans_per_rank=1, record_grads=True, cache_dir=str(tmp_path / "cache"))
+    # The references are computed here while the ranks (spawned processes) run.
+    with ThreadPoolExecutor(1) as pool:
+        ranks = pool.submit(ddp_train.run, 2, job)
+        per_rank = [ddp_train.single_process_grads(job, r, torch.device("cpu")) for r in range(2)]
+        results = ranks.result()
     want = {n: (per_rank[0][n] + per_rank[1][n]) / 2 for n in per_rank[0]}
     assert any(g.abs().max() > 0 for g in want.values())
     for result in results:  # every rank holds the same averaged gradient

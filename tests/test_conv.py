@@ -124,7 +124,7 @@ def check_all(got, ref, tol, what):
 def test_submanifold_matches_dense_and_gather(algo, dtype_name, device):
     dtype, tf32, tol = DTYPES[dtype_name]
     seed = zlib.crc32(f"{algo}/{dtype_name}".encode()) % 1000
-    coords, plan = submanifold_case(160, seed=seed)
+    coords, plan = submanifold_case(100, seed=seed)  # several row tiles of every config
     coords, plan = coords.to(device), plan.to(device)
     feats, weight, bias = make_inputs(coords.shape[0], 5, 7, (3, 3, 3), dtype, device, seed)
     grad_out = torch.randn(coords.shape[0], 7, generator=torch.Generator().manual_seed(seed + 1))
@@ -177,8 +177,8 @@ def test_edge_cases(case, algo, device):
         num = 1
     elif case == "odd_channels":
         ci, co = 3, 17
-    elif case == "kernel5":
-        kernel = 5
+    elif case == "kernel5":  # 125 offsets; 60 voxels of 8^3 still meet ~14 neighbours each
+        kernel, num = 5, 60
     elif case == "dilation2":
         dilation = 2
     elif case == "no_bias":

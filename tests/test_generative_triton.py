@@ -96,7 +96,7 @@ def test_inference_plans(case, device):
     from flexplan.planner.generative import inverse_plan
 
     shape, geom = case[5], geometry(case)
-    coords = random_coords(int(shape[0] * shape[1] * shape[2] * 0.4), shape, 2,
+    coords = random_coords(int(shape[0] * shape[1] * shape[2] * 0.2), shape, 2,
                            generator=torch.Generator().manual_seed(7)).to(device)
     full = build_plan(coords, shape, 2, geom)
     for backend in ("torch", "triton"):

@@ -210,7 +210,7 @@ def test_schedule_with_many_tiles(monkeypatch, device):
 
     monkeypatch.setattr(segments_triton, "SCHEDULE_LAUNCH", dict(ROWS=max(PLAN_BLOCK_SIZES),
                                                                  PAIR_TILE=16, LOOK_BACK=8, num_warps=4))
-    nmap = _random_map(27, 2000, device)
+    nmap = _random_map(27, 1200, device)
     layout = segments_triton.schedule_layout(nmap.shape[0], 27, PLAN_BLOCK_SIZES, 27)
     chunks, tiles = layout.chunks, layout.tiles
     assert chunks > 8 and tiles - chunks > 2 * 8
@@ -288,7 +288,7 @@ def test_triton_build_syncs(monkeypatch, device, check, training, syncs):
     """Every size the host needs, and the input checks, come back in one read; a build of
     checked coordinates for inference needs none (its schedule's lengths stay on the device)
     and still equals the torch planner's plan."""
-    coords = _coords((10, 12, 9), 2, 300, seed=1, device=device)
+    coords = _coords((10, 12, 9), 2, 120, seed=1, device=device)
     geometry = ConvGeometry.make(3)
     build = lambda: build_plan(coords, (10, 12, 9), 2, geometry, backend="triton", check=check,
                                training=training)

@@ -1,6 +1,8 @@
 """The plan of a layer over a tensor: what layers ask, so that tensors stay passive values.
 
     tensor's Plans (memo shared by every tensor over the same coordinates)
+      -> plan_prefetch (this step's plans, built at its first request when the steps before
+         asked for the same sequence)
       -> cache.cached_plan (memory, disk, or planner.build_plan)
 
 as torchsparse's functional conv owns its kernel-map cache. The coordinates' identity (hashed
@@ -8,10 +10,10 @@ once per user tensor, derived for a strided layer's output) names them for the c
 """
 from __future__ import annotations
 
-from .cache import cached_plan
 from .compile_boundary import opaque
 from .geometry import ConvGeometry
 from .plan import ConvPlan
+from .plan_prefetch import plan_for
 
 
 @opaque
@@ -23,7 +25,6 @@ def tensor_plan(x, geometry: ConvGeometry, training: bool = True) -> ConvPlan:
     plans = x._plans
     plan = plans.get(geometry)
     if plan is None or not plan.serves(training):
-        plan = cached_plan(x.coords, x.grid_shape, x.batch_size, geometry, check=False,
-                           identity=x.coords_identity(), training=training)
+        plan = plan_for(x, geometry, training)
         plans[geometry] = plan
     return plan

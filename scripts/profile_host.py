@@ -1,9 +1,10 @@
 """Where a fresh-coordinate step spends host time: cProfile of flexplan train / inference steps
-of the bench_e2e networks (fp16, a new LiDAR batch every step), after a warm-up.
+of the bench_e2e networks (fp16 or another of bench_e2e's modes, a new LiDAR batch every step),
+after a warm-up.
 
 Usage (GPU): python3 scripts/profile_host.py [--network encoder|unet] [--phase train|infer]
              [--steps 10] [--sort tottime] [--coords fresh|same] [--impl flexplan|spconv]
-             [--kernels] [--no-cprofile]
+             [--mode fp16|fp32|amp-fp16|amp-bf16|bf16] [--kernels] [--no-cprofile]
 --impl spconv profiles the same step on spconv (the side-by-side of where each spends its GPU time).
 """
 from __future__ import annotations
@@ -22,23 +23,35 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-prof-"))
 
 import flexplan.nn.spconv as flexplan_sp  # noqa: E402
+from bench_e2e import MODES, Mode, autocast  # noqa: E402
 from e2e_networks import LidarUNet, VoxelResBackBone8x  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
 
 NETS = {"encoder": VoxelResBackBone8x, "unet": LidarUNet}
 
 
-def step_fn(net, opt, phase: str, sp=flexplan_sp):
-    """One step of the network on a LiDAR batch (fp16 features): train (zero_grad, forward,
-    loss, backward, SGD) or infer (eval, no_grad); no synchronization."""
+def step_fn(net, opt, phase: str, mode: Mode, sp=flexplan_sp):
+    """One step of the network on a LiDAR batch (features in the mode's dtype): train
+    (zero_grad, forward, loss, backward, SGD; a GradScaler where the mode has one) or infer
+    (eval, no_grad); under the mode's autocast; no synchronization."""
+    device = torch.device("cuda")
+    scaler = torch.amp.GradScaler("cuda") if mode.grad_scaler else None
+
     def step(batch):
         x = sp.SparseConvTensor(batch.features, batch.indices, list(batch.spatial_shape), 2)
         if phase == "train":
             opt.zero_grad(set_to_none=True)
-            net.loss(net(x), batch.labels).backward()
-            opt.step()
+            with autocast(mode, device):
+                loss = net.loss(net(x), batch.labels)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
         else:
-            with torch.no_grad():
+            with torch.no_grad(), autocast(mode, device):
                 net.eval()(x)
     return step
 
@@ -55,26 +68,28 @@ def main():
     parser.add_argument("--coords", default="fresh", choices=("fresh", "same"),
                         help="same: every step on one batch (plans reused)")
     parser.add_argument("--impl", default="flexplan", choices=("flexplan", "spconv"))
+    parser.add_argument("--mode", default="fp16", choices=sorted(MODES))
     parser.add_argument("--no-cprofile", action="store_true")
     args = parser.parse_args()
+    mode = MODES[args.mode]
     device = torch.device("cuda")
     torch.manual_seed(0)
     if args.impl == "spconv":
         import spconv.pytorch as sp
     else:
         sp = flexplan_sp
-    net = NETS[args.network](sp).to(device).half()
+    net = NETS[args.network](sp).to(device).to(mode.model_dtype)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     scans = lidar_scans(2, 0, device)
 
     def new_batches(first: int) -> list:
         seeds = [first] * args.steps if args.coords == "same" else range(first, first + args.steps)
         batches = [lidar_batch(i, 2, 0, device, scans=scans) for i in seeds]
-        return [b._replace(features=b.features.half()) for b in batches]
+        return [b._replace(features=b.features.to(mode.input_dtype)) for b in batches]
 
     batches = new_batches(0)[:10] + new_batches(0 if args.coords == "same" else 10)
 
-    run = step_fn(net, opt, args.phase, sp)
+    run = step_fn(net, opt, args.phase, mode, sp)
 
     def step(batch):
         run(batch)
@@ -87,7 +102,7 @@ def main():
     start = time.perf_counter()
     for b in batches[10:]:
         step(b)
-    print(f"{args.impl} {args.network} {args.phase} {args.coords}: "
+    print(f"{args.impl} {args.network} {args.mode} {args.phase} {args.coords}: "
           f"{(time.perf_counter() - start) / args.steps * 1e3:.1f} ms per step without the profiler")
     # cudaMalloc / cudaFree calls of the caching allocator during the timed steps (each costs
     # far more than a launch): sizes that change every step can fragment its pools.

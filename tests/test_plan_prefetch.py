@@ -1,0 +1,142 @@
+"""Plan prefetch (flexplan/plan_prefetch.py): after two steps asking for the same plans, a step's
+first request builds all of them; layers get the plans they would have got, and a network that
+changes what it asks, or a failing prefetch, falls back to building at the layer."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_nn_spconv import sparse_input
+
+import flexplan.nn.spconv as spconv
+from flexplan import plan_prefetch
+
+
+def network():
+    torch.manual_seed(0)
+    return spconv.SparseSequential(
+        spconv.SubMConv3d(3, 4, 3, indice_key="subm0"),
+        spconv.SparseConv3d(4, 5, 3, stride=2, padding=1, indice_key="down0"),
+        spconv.SubMConv3d(5, 5, 3, indice_key="subm1"),
+        spconv.SparseConv3d(5, 6, 2, stride=2, indice_key="down1"),
+        spconv.SubMConv3d(6, 6, 3, indice_key="subm2"),
+        spconv.SparseInverseConv3d(6, 5, 2, indice_key="down1"),
+        spconv.SparseInverseConv3d(5, 4, 3, indice_key="down0")).double()
+
+
+@pytest.fixture
+def log(monkeypatch):
+    """Every plan build or cache lookup of plan_prefetch, in order: (rows, geometry) per call,
+    and a marker where the layers' first request arrived."""
+    plan_prefetch.clear()
+    calls = []
+    real = plan_prefetch._cached
+
+    def cached(coords, grid_shape, batch_size, geometry, identity, training):
+        calls.append((coords.shape[0], geometry, training))
+        return real(coords, grid_shape, batch_size, geometry, identity, training)
+
+    monkeypatch.setattr(plan_prefetch, "_cached", cached)
+    yield calls
+    plan_prefetch.clear()
+
+
+def run(net, seed, grad=True, backward=False):
+    """A step on fresh coordinates (seed); training plans where grad (the backward only where
+    asked: the plans are the same without it)."""
+    x = sparse_input((5, 6, 5), seed=seed)
+    with torch.set_grad_enabled(grad):
+        out = net(x)
+    if backward:
+        out.features.square().sum().backward()
+    return out
+
+
+def reference(seed, grad=True, monkeypatch=None):
+    """The same step with prefetch off: what every layer got before it existed."""
+    monkeypatch.setenv(plan_prefetch.PREFETCH_ENV, "0")
+    try:
+        net = network()
+        out = run(net, seed, grad, backward=grad)
+        return out.features.detach(), out.indices, [p.grad for p in net.parameters()] if grad else []
+    finally:
+        monkeypatch.delenv(plan_prefetch.PREFETCH_ENV)
+
+
+def test_third_fresh_step_prefetches_every_plan_and_equals_the_layer_built_step(log, monkeypatch):
+    net = network()
+    run(net, seed=1)
+    run(net, seed=2)
+    per_step = len(log) // 2
+    assert per_step == 5  # 3 submanifold geometries over 3 coordinate sets, 2 strided
+    log.clear()
+    # Step 3: the first layer's request builds the step's 5 plans before the layer's conv runs.
+    first_layer = net[0]
+    seen_at_first_conv = []
+    hook = first_layer.register_forward_hook(lambda *a: seen_at_first_conv.append(len(log)))
+    out = run(net, seed=3, backward=True)
+    hook.remove()
+    assert seen_at_first_conv == [per_step]
+    assert len(log) == per_step  # nothing asked twice: the layers found the prefetched plans
+    feats, indices, grads = reference(3, monkeypatch=monkeypatch)
+    assert torch.equal(out.indices, indices)
+    torch.testing.assert_close(out.features, feats, rtol=0, atol=0)
+    for p, g in zip(net.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+def first_conv_after(log, net, step):
+    """How many plan requests of the step came before its first conv ran."""
+    log.clear()
+    hook = net[0].register_forward_hook(lambda *a: log.append("first conv"))
+    step()
+    hook.remove()
+    return log.index("first conv")
+
+
+def test_new_sequence_builds_at_the_layers_and_others_stay_kept(log):
+    net = network()
+    for seed in (1, 2, 3):
+        run(net, seed)
+    # Inference asks for inference plans: a sequence not seen before, built layer by layer.
+    assert first_conv_after(log, net, lambda: run(net, 4, grad=False)) == 1
+    assert [training for *_, training in log if _ != "first conv"].count(False) == 5
+    # Training again: its sequence, kept under its own first request, is prefetched at once.
+    assert first_conv_after(log, net, lambda: run(net, 5)) == 5
+    # A network asking for a different sequence from the same first request: its first step
+    # gets the old sequence's 5 plans (2 of them unused: work spent, nothing wrong), its second
+    # builds at the layers, its third prefetches its own 3.
+    shorter = spconv.SparseSequential(*list(net)[:3])
+    assert [first_conv_after(log, shorter, lambda: run(shorter, s)) for s in (6, 7, 8)] == [5, 1, 3]
+
+
+def test_prefetch_that_fails_falls_back_to_the_layers(log, monkeypatch):
+    net = network()
+    run(net, 1, grad=False)
+    run(net, 2, grad=False)
+    real = plan_prefetch._cached
+    fail = {"armed": True}
+
+    def flaky(coords, grid_shape, batch_size, geometry, identity, training):
+        if fail["armed"] and not geometry.submanifold:
+            fail["armed"] = False
+            raise RuntimeError("prefetch failure")
+        return real(coords, grid_shape, batch_size, geometry, identity, training)
+
+    monkeypatch.setattr(plan_prefetch, "_cached", flaky)
+    out = run(net, 3, grad=False)
+    assert not fail["armed"]  # the prefetch ran, and failed
+    feats, indices, _ = reference(3, grad=False, monkeypatch=monkeypatch)
+    torch.testing.assert_close(out.features, feats, rtol=0, atol=0)
+    assert torch.equal(out.indices, indices)
+
+
+def test_repeated_coordinates_keep_one_sequence(log):
+    """The same input every step: a step begins at the repeat of its first request."""
+    net = network()
+    x = sparse_input((5, 6, 5), seed=1)
+    for _ in range(4):  # a new tensor every step (new plan memo), as a data loader makes them
+        net(spconv.SparseConvTensor(x.features, x.indices, x.spatial_shape, x.batch_size))
+    steps = plan_prefetch._steps
+    assert len(steps.recipes) == 1
+    (recipe, confirmed), = steps.recipes.values()
+    assert confirmed and len(recipe) == 5

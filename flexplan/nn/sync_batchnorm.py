@@ -27,15 +27,15 @@ depends on tensor values:
 
 Host cost. The ranks this is for are host-bound, so every launch counts (on the 2-GPU machine
 of issue #26 a kernel launch cost the host ~10 us, a small all_reduce ~45 us, and the same
-statistics as ~25 torch ops cost more host time than torch's SyncBatchNorm with its sync). So
-with FLEXPLAN_SYNC_BN_KERNELS=1 (module attribute use_kernels) a CUDA training forward is
-torch's own batch_norm_stats, one Triton kernel packing the sums, the all_reduce, one Triton
-kernel turning the sums into mean / invstd and updating the running statistics
-(kernels_src/batchnorm_stats.py), and torch's batch_norm_elemt; a backward is torch's
+statistics as ~25 torch ops cost more host time than torch's SyncBatchNorm with its sync). So a
+CUDA training forward is torch's own batch_norm_stats, one Triton kernel packing the sums, the
+all_reduce, one Triton kernel turning the sums into mean / invstd and updating the running
+statistics (kernels_src/batchnorm_stats.py), and torch's batch_norm_elemt; a backward is torch's
 batch_norm_backward_reduce, a cat, the all_reduce and batch_norm_backward_elemt (the kernels
-torch's SyncBatchNorm uses; they exist for CUDA only). That path is opt-in until it has run on
-GPUs (its kernels are checked against the torch formulas through the interpreter). By default
-every device uses plain torch ops with the same formulas: more launches, no Triton.
+torch's SyncBatchNorm uses). That is the default on NVIDIA GPUs (module attribute use_kernels;
+FLEXPLAN_SYNC_BN_KERNELS=0 turns it off, =1 on, also on ROCm, where it has not run); CPU
+tensors, and ROCm by default, use plain torch ops with the same formulas: more launches, no
+Triton. Step times: scripts/results/bench_ddp.md.
 
 Not synchronized (plain F.batch_norm, no collective), as torch: eval mode, world size 1, no
 initialized process group. The module subclasses _BatchNorm, not torch.nn.SyncBatchNorm:
@@ -59,10 +59,11 @@ from ..launcher import cdiv, launch
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
 _BLOCK = 256  # channels per program of the two statistics kernels
-# CUDA inputs take the Triton kernels (kernels_src/batchnorm_stats.py) only when asked:
-# FLEXPLAN_SYNC_BN_KERNELS=1. They are checked against the torch formulas through the
-# interpreter but have not run on a GPU yet; the default is the torch-op path every test runs.
-use_kernels = os.environ.get("FLEXPLAN_SYNC_BN_KERNELS", "0") == "1"
+# CUDA inputs take the Triton kernels (kernels_src/batchnorm_stats.py) unless
+# FLEXPLAN_SYNC_BN_KERNELS=0; on ROCm, where they have not run, only with =1. Both paths are
+# checked against nn.SyncBatchNorm on 2 GPUs (tests/test_sync_batchnorm.py, gpu marker).
+use_kernels = os.environ.get("FLEXPLAN_SYNC_BN_KERNELS",
+                             "0" if torch.version.hip is not None else "1").strip() == "1"
 
 
 def _stats_dtype(x: torch.Tensor) -> torch.dtype:

@@ -69,3 +69,29 @@ def test_layers_accept_conv_algo(device):
     conv = spconv.SubMConv3d(3, 4, 3, algo=spconv.ConvAlgo.MaskImplicitGemm).double().to(device)
     assert conv.algo == "auto"
     assert conv(tensor(5, device=device)).features.shape[1] == 4
+
+
+def test_ops_output_sizes_match_the_planner_and_spconv_formulas():
+    from flexplan import ConvGeometry
+    from flexplan.nn.spconv import ops
+    from flexplan.planner.generative import output_spatial_shape
+
+    for shape, k, s, p, d in (((41, 1504, 1504), (3, 3, 3), (2, 2, 2), (1, 1, 1), (1, 1, 1)),
+                              ((11, 188, 188), (3, 3, 3), (2, 2, 2), (0, 1, 1), (1, 1, 1)),
+                              ((9, 8, 7), (3, 1, 1), (2, 1, 1), (0, 0, 0), (1, 1, 1)),
+                              ((9, 8, 7), (3, 3, 3), (1, 1, 1), (2, 2, 2), (2, 2, 2))):
+        geom = ConvGeometry.make(k, d, s, p, submanifold=False)
+        assert tuple(ops.get_conv_output_size(shape, k, s, p, d)) == output_spatial_shape(shape, geom)
+        # spconv's closed form, written out: (size + 2p - d(k - 1) - 1) // s + 1
+        assert ops.get_conv_output_size(shape, k, s, p, d) == [
+            (n + 2 * pp - dd * (kk - 1) - 1) // ss + 1 for n, kk, ss, pp, dd in zip(shape, k, s, p, d)]
+    assert ops.get_conv_output_size([10, 7], [-1, 3], [1, 2], [0, 1], [1, 1]) == [1, 4]
+    geom = ConvGeometry.make(2, 1, 2, 0, submanifold=False, transposed=True)
+    assert tuple(ops.get_deconv_output_size((5, 6, 7), (2,) * 3, (2,) * 3, (0,) * 3, (1,) * 3,
+                                            (0,) * 3)) == output_spatial_shape((5, 6, 7), geom)
+    with pytest.raises(ValueError):
+        ops.get_deconv_output_size([4], [-1], [1], [0], [1], [0])
+    with pytest.raises(NotImplementedError, match="SparseMaxPool3d"):
+        ops.indice_maxpool  # noqa: B018
+    with pytest.raises(AttributeError):
+        ops.no_such_function  # noqa: B018

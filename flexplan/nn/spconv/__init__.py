@@ -2,14 +2,14 @@
 `import spconv.pytorch as spconv`. Same names, constructors and weight layout (see
 docs/migrating_from_spconv.md); here SubMConv3d is the spconv-compatible one. A package, as
 spconv.pytorch is: `from flexplan.nn.spconv.utils import PointToVoxel` and
-`flexplan.nn.spconv.functional` import as spconv's do."""
+`flexplan.nn.spconv.functional` / `.ops` import as spconv's do."""
 from ..sparse_conv_tensor import IndiceData, SparseConvTensor
 from ..sparse_sequential import SparseSequential, ToDense
 from ..spconv_layers import (SparseConv1d, SparseConv2d, SparseConv3d, SparseConvolution,
                             SparseConvTranspose1d, SparseConvTranspose2d, SparseConvTranspose3d,
                             SparseInverseConv1d, SparseInverseConv2d, SparseInverseConv3d,
                             SparseModule, SubMConv1d, SubMConv2d, SubMConv3d)
-from . import functional, utils
+from . import functional, ops, utils
 from ..spconv_modules import (AddTable, AddTableMisaligned, ConcatTable, ConvAlgo, Identity,
                              JoinTable, RemoveGrid, SparseBatchNorm, SparseIdentity, SparseReLU,
                              SparseSyncBatchNorm, assign_name_for_sparse_modules)
@@ -25,4 +25,4 @@ __all__ = ["AddTable", "AddTableMisaligned", "ConcatTable", "ConvAlgo", "Identit
            "SparseConvTranspose2d", "SparseInverseConv2d", "SparseMaxPool2d", "SubMConv2d", "SparseConv3d", "SparseConvTensor",
            "SparseConvTranspose3d", "SparseConvolution", "SparseGlobalAvgPool",
            "SparseGlobalMaxPool", "SparseInverseConv3d", "SparseMaxPool", "SparseMaxPool3d",
-           "SparseModule", "SparseSequential", "SubMConv3d", "ToDense", "utils"]
+           "SparseModule", "SparseSequential", "SubMConv3d", "ToDense", "ops", "utils"]

@@ -2,19 +2,22 @@
 and ROCm targets.
 
     python -m aot [--targets sm_90,gfx942] [--out aot_bundle] [--kernels wgrad] [--channels 32,64]
-                  [--sample N] [-j N] [--install] [--wheel [--wheel-dir DIR]]
+                  [--sample N] [--every K] [-j N] [--install] [--wheel [--wheel-dir DIR]]
+                  [--no-compile-server]
 
 Targets: those named, else this machine's GPUs (aot/targets.py), else every target flexplan
 knows (DEFAULT_TARGETS). The variants: flexplan/aot/variants.py over the shapes of
 flexplan/tuning/aot.py. Writes OUT/build.ninja (one edge per binary) and runs ninja on it:
 parallel, incremental (a second run does nothing; touching a kernel source rebuilds its
 binaries; another Triton version rebuilds all), with ninja's progress line; at the end it says
-how many binaries, how many MB and how long. A variant this Triton cannot compile is recorded
-as failed (the runtime leaves it to the JIT) instead of stopping the build. OUT then holds a
-bundle: manifest.json plus <target>/<kernel>/<key>.{cubin,hsaco,json}. --install copies the
-bundle into the user cache (flexplan.paths.aot_cache_dir()), where the runtime finds it;
---wheel packs it as one installable wheel per target (aot/wheel.py), which the runtime finds
-once pip-installed.
+how many binaries, how many MB and how long. The edges hand their compiles to a warm compile
+server (aot/compile_server.py: one process with Triton imported forks a child per binary), so
+a binary costs its compile, not a fresh process's start-up. A variant this Triton cannot
+compile is recorded as failed (the runtime leaves it to the JIT) instead of stopping the
+build. OUT then holds a bundle: manifest.json plus <target>/<kernel>/<key>.{cubin,hsaco,json}.
+--install copies the bundle into the user cache (flexplan.paths.aot_cache_dir()), where the
+runtime finds it; --wheel packs it as one installable wheel per target (aot/wheel.py), which
+the runtime finds once pip-installed.
 """
 from __future__ import annotations
 
@@ -43,12 +46,18 @@ def parse_args(argv):
                         help="comma-separated layer widths to cover instead of the defaults (e.g. 32,64)")
     parser.add_argument("--sample", type=int, default=None,
                         help="only the first N variants of each kernel (quick checks, tests)")
+    parser.add_argument("--every", type=int, default=None, metavar="K",
+                        help="only every K-th variant of each target: a sample spread over every "
+                             "kernel and config (timing a build)")
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--install", action="store_true",
                         help="copy the finished bundle into the user cache (flexplan.paths.aot_cache_dir())")
     parser.add_argument("--wheel", action="store_true",
                         help="pack the finished bundle as one wheel per target (pip install it)")
     parser.add_argument("--wheel-dir", default=None, help="where --wheel writes (default: OUT/dist)")
+    parser.add_argument("--no-compile-server", action="store_true",
+                        help="compile each binary in a fresh process of its own (slower; the "
+                             "same binaries), instead of forks of one warm process")
     args = parser.parse_args(argv)
     args.origin = "--targets"
     if args.targets is None:
@@ -58,6 +67,8 @@ def parse_args(argv):
     else:
         args.targets = [t for t in args.targets.split(",") if t]
     args.channels = [int(c) for c in args.channels.split(",")] if args.channels else None
+    if args.every is not None and args.every < 1:
+        parser.error("--every takes a count of 1 or more")
     for t in args.targets:
         if t not in TARGETS:
             parser.error(f"unknown target {t!r}; choose from {', '.join(TARGETS)}")
@@ -66,18 +77,15 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from aot.ninja_file import write_build_file
     from aot.report import failure_lines, manifest_of, summary_line
 
     start = time.monotonic()
     out = Path(args.out).resolve()
-    count = write_build_file(out, args.targets, args.kernels, args.sample, args.channels)
-    print(f"aot: {count} binaries for {','.join(args.targets)} ({args.origin}) in {out}", flush=True)
     ninja = shutil.which("ninja", path=_ninja_bin_dir())
     if ninja is None:
         print("aot: ninja not found (pip install ninja)", file=sys.stderr)
         return 1
-    rc = subprocess.call([ninja, "-C", str(out), "-j", str(args.jobs)])
+    rc = _build(ninja, out, args)
     if rc != 0:
         return rc
     # Binaries of variants no longer listed (changed sources, other Triton) are removed.
@@ -96,6 +104,24 @@ def main(argv: list[str] | None = None) -> int:
         for path in write_wheels(out, dest, args.targets):
             print(f"aot: wheel {path} (pip install it; `python -m flexplan doctor` lists it)")
     return 0
+
+
+def _build(ninja: str, out: Path, args) -> int:
+    """Write build.ninja and run ninja on it, its edges served by a warm compile server."""
+    from aot.compile_server import CompileServer
+    from aot.ninja_file import edge_environment, write_build_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **edge_environment(out)}
+    server = None if args.no_compile_server else CompileServer(out, args.targets, env)
+    try:  # the server warms up while the variants are enumerated
+        count = write_build_file(out, args.targets, args.kernels, args.sample, args.channels, args.every)
+        print(f"aot: {count} binaries for {','.join(args.targets)} ({args.origin}) in {out}", flush=True)
+        ninja_env = server.ninja_env() if server else None
+        return subprocess.call([ninja, "-C", str(out), "-j", str(args.jobs)], env=ninja_env)
+    finally:
+        if server:
+            server.stop()
 
 
 def _ninja_bin_dir() -> str:

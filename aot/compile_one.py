@@ -4,7 +4,9 @@
 
 The version and source hash sit on the command line so that ninja rebuilds the edge when either
 changes. Kept light: flexplan's package imports its names lazily, so the kernel module comes
-without torch (ninja starts one such process per artifact).
+without torch (ninja starts one such process per artifact). Under `python -m aot` the edge
+imports no Triton at all: it hands its arguments to the warm compile server
+(aot/compile_server.py), whose forked child runs compile_spec below; without one it compiles here.
 """
 from __future__ import annotations
 
@@ -25,6 +27,10 @@ warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
 
 def _import_kernel(spec: dict):
     return getattr(importlib.import_module(spec["module"]), spec["attr"])
+
+
+def read_spec(path: str) -> dict:
+    return json.loads(Path(path).read_text())
 
 
 def _sha256(path: Path) -> str:
@@ -101,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--triton-version", required=True)
     parser.add_argument("--source-hash", required=True)
     args = parser.parse_args(argv)
-    compile_spec(json.loads(Path(args.spec).read_text()), Path(args.entry))
+    from aot.compile_server import compile_remotely
+
+    if not compile_remotely(args.spec, args.entry):
+        compile_spec(read_spec(args.spec), Path(args.entry))
     return 0
 
 

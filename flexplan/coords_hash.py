@@ -20,6 +20,7 @@ import torch
 
 from .device_guard import on_device_of
 from .kernels_src import plan_hash
+from .launch_spec import INT64, SIZE
 from .launcher import launch
 def _signed(value: int) -> int:
     """A 64-bit constant as the int64 torch holds it."""
@@ -63,12 +64,23 @@ def _lane_sums_torch(words: torch.Tensor) -> torch.Tensor:
     return x.sum(dim=1)
 
 
+def _programs(n_words: int) -> int:
+    return max(-(-n_words // _TRITON_BLOCK), 1)
+
+
+def launch_plan_hash(run, words: INT64, partial: INT64, n_words: SIZE) -> None:
+    """partial [_programs(n_words), 2]: each program's two lane sums over its words. (The launch
+    written once, for this module and the AOT build: flexplan/launch_spec.py.)"""
+    run(plan_hash.plan_hash_kernel, (_programs(n_words),), words, partial, n_words,
+        BLOCK=_TRITON_BLOCK)
+
+
 def _lane_sums_triton(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # One pass over the words instead of a dozen elementwise kernels (kernels_src/plan_hash.py).
 
-    programs = max(-(-words.numel() // _TRITON_BLOCK), 1)
-    partial = torch.empty((programs, 2), dtype=torch.int64, device=words.device)
-    launch(plan_hash.plan_hash_kernel, (programs,), words, partial, words.numel(), BLOCK=_TRITON_BLOCK)
+    n_words = words.numel()
+    partial = torch.empty((_programs(n_words), 2), dtype=torch.int64, device=words.device)
+    launch_plan_hash(launch, words, partial, n_words)
     return partial.sum(dim=0) if out is None else torch.sum(partial, dim=0, out=out)
 
 

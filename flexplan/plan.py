@@ -16,6 +16,7 @@ import torch
 
 from .geometry import ConvGeometry
 from .kernel_configs import CHUNK_ORDER_MIN_ROWS, SCHEDULE_CHUNK
+from .launch_spec import INT32, SIZE
 
 # Bump whenever a field's meaning or layout changes: the plan cache keys on it.
 PLAN_FORMAT_VERSION = 3  # 2: submanifold plans keep the mirrored half of valid_signal
@@ -156,6 +157,23 @@ def kernels_run_on(t: torch.Tensor) -> bool:
     return not isinstance(_kernels().sorted_map_t_kernel, JITFunction)
 
 
+# The views' launch descriptions: each launch written once (flexplan/launch_spec.py), for the
+# views below and the AOT build (flexplan/aot/variants.py), which records them.
+
+def launch_sorted_map_t(run, nmap: INT32, sorted_idx: INT32, out: INT32, m: SIZE,
+                        v: SIZE) -> None:
+    """out [v, m] = nmap [m, v] in sorted_idx's row order, transposed."""
+    run(_kernels().sorted_map_t_kernel, (-(-m // SORTED_MAP_T_LAUNCH["BLOCK"]),), nmap,
+        sorted_idx, out, m, v, **SORTED_MAP_T_LAUNCH)
+
+
+def launch_chunk_order(run, sorted_idx: INT32, order: INT32, m: SIZE, chunk: int) -> None:
+    """order [ceil(m / chunk)]: chunk_order_torch's."""
+    chunks = -(-m // chunk)
+    run(_kernels().chunk_order_kernel, (-(-chunks // CHUNK_ORDER_LAUNCH["TILE"]),), sorted_idx,
+        order, m, CHUNK=chunk, **CHUNK_ORDER_LAUNCH)
+
+
 def sorted_map_t_triton(neighbor_map: torch.Tensor, sorted_idx: torch.Tensor) -> torch.Tensor:
     """sorted_map_t_torch in one launch."""
     from . import launcher  # (its launch looked up per call: tests record launches there)
@@ -163,10 +181,8 @@ def sorted_map_t_triton(neighbor_map: torch.Tensor, sorted_idx: torch.Tensor) ->
     m, v = neighbor_map.shape
     out = torch.empty((v, m), dtype=neighbor_map.dtype, device=neighbor_map.device)
     if m:
-        block = SORTED_MAP_T_LAUNCH["BLOCK"]
-        launcher.launch(_kernels().sorted_map_t_kernel, (-(-m // block),),
-                        neighbor_map.contiguous(), sorted_idx.contiguous(), out, m, v,
-                        **SORTED_MAP_T_LAUNCH)
+        launch_sorted_map_t(launcher.launch, neighbor_map.contiguous(), sorted_idx.contiguous(),
+                            out, m, v)
     return out
 
 
@@ -175,11 +191,9 @@ def chunk_order_triton(sorted_idx: torch.Tensor, chunk: int = SCHEDULE_CHUNK) ->
     from . import launcher
 
     m = sorted_idx.shape[0]
-    chunks = -(-m // chunk)
-    order = torch.empty(chunks, dtype=torch.int32, device=sorted_idx.device)
-    if chunks:
-        launcher.launch(_kernels().chunk_order_kernel, (-(-chunks // CHUNK_ORDER_LAUNCH["TILE"]),),
-                        sorted_idx.contiguous(), order, m, CHUNK=chunk, **CHUNK_ORDER_LAUNCH)
+    order = torch.empty(-(-m // chunk), dtype=torch.int32, device=sorted_idx.device)
+    if m:
+        launch_chunk_order(launcher.launch, sorted_idx.contiguous(), order, m, chunk)
     return order
 
 

@@ -300,7 +300,7 @@ def short_error(exc: BaseException) -> str:
 def fx_algos(spec: LayerSpec, plan, dtype_name: str) -> str:
     """flexplan's "auto" picks for fwd / dgrad / wgrad of this shape (best effort)."""
     try:
-        from flexplan.ops.sparse_conv import _resolve_algo
+        from flexplan.ops.conv import _resolve_algo
 
         v = math.prod(spec.kernel)
         return "/".join(_resolve_algo("auto", part, n, spec.ci, spec.co, v, dtype_name) for part, n in

@@ -22,7 +22,7 @@ from triton.testing import do_bench
 
 from flexplan import ConvGeometry, build_plan
 from flexplan.ops import sparse_conv
-from flexplan.ops.sparse_conv import _gather_gemm, _resolve_algo, _wgrad, _dtype_name
+from flexplan.ops.conv import _gather_gemm, _resolve_algo, _wgrad, _dtype_name
 from flexplan.plan import MISSING
 from flexplan.workloads import sphere_shell
 

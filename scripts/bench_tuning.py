@@ -33,7 +33,7 @@ import triton.language as tl  # noqa: E402
 from flexplan.kernel_configs import heuristic_config, runtime_is_hip  # noqa: E402
 from flexplan.kernels_src.conv_gather_gemm import conv_gather_gemm_kernel  # noqa: E402
 from flexplan.kernels_src.conv_wgrad import conv_wgrad_kernel  # noqa: E402
-from flexplan.ops.sparse_conv import (dgrad_map, gather_gemm_constexprs,  # noqa: E402
+from flexplan.ops.conv import (dgrad_map, gather_gemm_constexprs,  # noqa: E402
                                       wgrad_constexprs)
 from flexplan.tuning import dispatch  # noqa: E402
 from flexplan.tuning.buckets import Bucket  # noqa: E402
@@ -87,7 +87,7 @@ def fixed_constexprs(constexprs: dict, cfg) -> dict:
 
 def wrapper_launch(work, part, max_splits):
     """(kernel, grid, args, consts, pre_hook, dest) of the split-count wrapper for one part: the
-    case's algorithm, map and constexprs as ops.sparse_conv launches them (the same functions).
+    case's algorithm, map and constexprs as ops.conv launches them (the same functions).
     The masked schedule depends on BLOCK_M: the pre-hook copies that block size's schedule into
     the buffers the kernel reads (a few KB)."""
     plan, w = work.plan, work.weight

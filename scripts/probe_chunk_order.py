@@ -16,7 +16,7 @@ import flexplan.plan as plan_module
 from flexplan import ConvGeometry, build_plan
 from flexplan.workloads import lidar_batch
 
-ops = importlib.import_module("flexplan.ops.sparse_conv")
+ops = importlib.import_module("flexplan.ops.conv")
 
 
 def main():

@@ -14,7 +14,7 @@ import torch
 from flexplan import ConvGeometry, build_plan
 from flexplan.workloads import random_coords
 
-ops = importlib.import_module("flexplan.ops.sparse_conv")
+ops = importlib.import_module("flexplan.ops.conv")
 
 
 def per_call_us(feats, plan, weight, reps=3000) -> float:

@@ -17,7 +17,7 @@ import flexplan.ops  # noqa: F401
 from flexplan import ConvGeometry, build_plan, tensor_plan
 from flexplan.workloads import lidar_batch
 
-ops = sys.modules["flexplan.ops.sparse_conv"]
+ops = sys.modules["flexplan.ops.conv"]
 REPS = 30
 
 

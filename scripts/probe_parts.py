@@ -20,7 +20,7 @@ from flexplan.tuning import select_config
 from flexplan.tuning.dispatch import forced_config
 from flexplan.workloads import lidar_batch
 
-ops = sys.modules["flexplan.ops.sparse_conv"]
+ops = sys.modules["flexplan.ops.conv"]
 
 
 def level_tensor(level: int):

@@ -2,7 +2,7 @@
 (torch.cuda.set_sync_debug_mode) during flexplan train / inference steps of the bench_e2e
 networks (fp16, a new LiDAR batch every step), grouped by the flexplan line that caused it;
 then the host's wall time per step inside plan lookups and builds (plan_provider.tensor_plan) and
-inside convolutions (ops.sparse_conv.sparse_conv, forward; backward runs in autograd).
+inside convolutions (ops.conv.sparse_conv, forward; backward runs in autograd).
 
 Usage (GPU): python3 scripts/probe_syncs.py [--steps 3]
 """
@@ -122,7 +122,7 @@ def time_parts(step, batches) -> dict:
 
     # (flexplan.ops re-exports the function under its module's name: fetch the module itself)
     real_plan = plan_provider.tensor_plan
-    real_conv = importlib.import_module("flexplan.ops.sparse_conv").sparse_conv
+    real_conv = importlib.import_module("flexplan.ops.conv").sparse_conv
     modules = [m for m in list(sys.modules.values())
                if getattr(m, "sparse_conv", None) is real_conv]
     plan_users = [m for m in list(sys.modules.values())

@@ -11,7 +11,7 @@ from triton.testing import do_bench
 
 import importlib
 
-sc = importlib.import_module("flexplan.ops.sparse_conv")  # the module (the package exports a function of that name)
+sc = importlib.import_module("flexplan.ops.conv")
 from flexplan import ConvGeometry, build_plan
 from flexplan.kernel_configs import KernelConfig
 from flexplan.workloads import sphere_shell

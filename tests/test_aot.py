@@ -219,7 +219,7 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
     from flexplan.coords_hash import coords_digest
     from flexplan.planner.generative_triton import transposed_map_triton
     from flexplan.nn.submconv import SubMConv3d
-    from flexplan.ops.sparse_pool import sparse_pool
+    from flexplan.ops.pool import sparse_pool
     from flexplan.workloads import random_coords
 
     backend, binders = make_backend(GPUTarget("cuda", 90, 32)), {}
@@ -242,7 +242,7 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
         seen.append(specialization(kernel, args, constexprs))
         return real_launch(kernel, grid, *args, **constexprs)
 
-    for name in ("flexplan.ops.sparse_conv", "flexplan.ops.sparse_pool", "flexplan.planner.hashmap",
+    for name in ("flexplan.ops.conv", "flexplan.ops.pool", "flexplan.planner.hashmap",
                  "flexplan.planner.segments_triton", "flexplan.planner.generative_triton",
                  "flexplan.coords_hash"):
         monkeypatch.setattr(importlib.import_module(name), "launch", recording_launch)

@@ -47,7 +47,7 @@ def _dense_rows(part: str, v: int) -> list[int]:
 def _dispatched(widths) -> set:
     """What the ops launch for every covered dtype, part, width pair, volume and dense row count,
     through their own functions (select_config reads the tables of the device faked or not)."""
-    from flexplan.ops.sparse_conv import gather_gemm_constexprs, resolve_algo, wgrad_constexprs
+    from flexplan.ops.conv import gather_gemm_constexprs, resolve_algo, wgrad_constexprs
 
     out = set()
     for dtype, part, (ci, co), v in itertools.product(coverage.AOT_DTYPES, PARTS,

@@ -231,7 +231,7 @@ def test_forced_configs(config, algo, device, monkeypatch):
 
     from flexplan.kernel_configs import KernelConfig
 
-    ops_module = importlib.import_module("flexplan.ops.sparse_conv")
+    ops_module = importlib.import_module("flexplan.ops.conv")
     monkeypatch.setattr(ops_module, "select_config", lambda family, problem: KernelConfig(*config))
     coords, plan = submanifold_case(110, seed=config[2] + config[3])
     feats, weight, bias = make_inputs(coords.shape[0], 32, 16, (3, 3, 3), torch.float32, device, 8)
@@ -252,7 +252,7 @@ def test_explicit_in_chunks(dtype_name, device, monkeypatch):
     (grad-weight sums its chunks) equals the gather reference."""
     import importlib
 
-    ops_module = importlib.import_module("flexplan.ops.sparse_conv")
+    ops_module = importlib.import_module("flexplan.ops.conv")
     dtype, _, tol = DTYPES[dtype_name]
     ci, co = 6, 5
     monkeypatch.setattr(ops_module, "EXPLICIT_WORKSPACE_BYTES", 7 * 27 * ci * dtype.itemsize)

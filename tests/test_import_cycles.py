@@ -9,7 +9,7 @@ moves a cycle from import time to call time, it still ties the two modules toget
 - the package __init__s that merely run on the way (a.b for `import a.b.c`) are not counted,
   nor are the importer's own packages (they ran before it): that is package plumbing, like the
   re-exports below. (Counted, they merge packages into cycles, and the filter below then drops
-  real ones: flexplan.ops' re-export of ops.sparse_conv would hide ops.sparse_conv <-> tuning.)
+  real ones: flexplan.ops' re-export of ops.conv.sparse_conv would hide ops.conv <-> tuning.)
 - a cycle of packages and their own submodules only (an __init__ re-exporting its children) is
   not a cycle of logic.
 """

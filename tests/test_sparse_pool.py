@@ -10,7 +10,7 @@ import torch
 
 import flexplan.nn.spconv as spconv
 from flexplan import ConvGeometry, build_plan
-from flexplan.ops.sparse_pool import global_pool, sparse_pool
+from flexplan.ops.pool import global_pool, sparse_pool
 from flexplan.planner.generative import output_spatial_shape
 from flexplan.workloads import random_coords
 

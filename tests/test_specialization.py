@@ -22,7 +22,7 @@ from flexplan.coords_hash import coords_digest
 from flexplan.plan import GatherMap
 from flexplan.workloads import random_coords
 
-LAUNCHING_MODULES = ("flexplan.ops.sparse_conv", "flexplan.planner.hashmap",
+LAUNCHING_MODULES = ("flexplan.ops.conv", "flexplan.planner.hashmap",
                      "flexplan.planner.segments_triton", "flexplan.planner.generative_triton",
                      "flexplan.coords_hash")
 GEOMETRIES = (ConvGeometry.submanifold_conv(3),
@@ -66,7 +66,7 @@ def recorder(monkeypatch):
     for name in LAUNCHING_MODULES:
         monkeypatch.setattr(importlib.import_module(name), "launch", recording_launch)
     # The explicit algorithm in several chunks: other row_start / rows per chunk.
-    monkeypatch.setattr(importlib.import_module("flexplan.ops.sparse_conv"),
+    monkeypatch.setattr(importlib.import_module("flexplan.ops.conv"),
                         "EXPLICIT_WORKSPACE_BYTES", 120_000)
     return calls
 
@@ -92,7 +92,7 @@ def _moved_views(plan, by: int):
 
 
 def _run(rows: int, grid, seed: int, move_views: int = 0):
-    from flexplan.ops.sparse_conv import sparse_conv
+    from flexplan.ops.conv import sparse_conv
 
     gen = torch.Generator().manual_seed(seed)
     coords = random_coords(4 * rows, grid, batch_size=1, generator=gen)[:rows]
@@ -174,7 +174,7 @@ def test_new_sizes_every_step_compile_nothing_after_warmup():
     real compilations only: binaries served by an AOT bundle are not compilations)."""
     import triton
 
-    from flexplan.ops.sparse_conv import sparse_conv
+    from flexplan.ops.conv import sparse_conv
 
     compiled = []
     previous = triton.knobs.runtime.jit_post_compile_hook

@@ -299,7 +299,7 @@ def test_selection_imports_neither_the_ops_nor_the_tuner(name):
 
 def test_ops_import_only_the_selection_modules_of_tuning():
     """Not the package either: its __init__ wires in the run-time tuner, which runs the ops."""
-    tuning = {m for m in _imports("flexplan.ops.sparse_conv") if m.startswith("flexplan.tuning")}
+    tuning = {m for m in _imports("flexplan.ops.conv") if m.startswith("flexplan.tuning")}
     assert tuning and all(m.split(".")[2:3] and m.split(".")[2] in SELECTION for m in tuning)
 
 

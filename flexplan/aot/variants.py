@@ -3,42 +3,49 @@
 A Variant is one example call (argument kinds + constexprs + launch options) of one kernel; the
 AOT build turns it into Triton's compile inputs with the JIT's own binder, so each variant is
 exactly the specialization the JIT would compile for calls like it. Its ints are examples of
-their class (make_variant), so the registry lists each specialization once; sizes, counts and
+their class (_int_example), so the registry lists each specialization once; sizes, counts and
 places are not specialized (each kernel's decorator says which), so one variant serves them all.
 
 What is covered is defined once, in flexplan/tuning/aot.py: the layer shapes (widths,
 geometries, dtypes, rows) and, for the convs, the launches dispatch makes for them on each
 target (conv_launches: "auto"'s algorithm, the target's tuned table else the heuristic, on the
-target's shared memory). This module only turns those into launches' arguments, which mirror
-the launches in flexplan/ops/sparse_conv.py, flexplan/planner/ (hashmap, segments_triton,
-generative_triton) and flexplan/plan.py (the gather maps' views); tests/test_aot.py records the
-real ops' launches and checks the registry reproduces them, tests/test_aot_lean.py checks the
-conv variants against what dispatch returns.
+target's shared memory). How each of those is launched is written once too, in the launch
+descriptions next to the launching code (flexplan/launch_spec.py: ops/conv.py, ops/pool.py,
+planner/hashmap.py, planner/segments_triton.py, planner/generative_triton.py, coords_hash.py,
+plan.py's views, cache/format.py's check): this module only says which launches to build and
+`record`s each through its description, with example arguments, as the runtime calls it. No
+argument list is written here. tests/test_aot.py records the real ops' launches and checks the
+registry reproduces them, tests/test_aot_lean.py checks the conv variants against what dispatch
+returns.
 """
 from __future__ import annotations
 
 import functools
-import importlib
+import inspect
 import itertools
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
+
+import torch
 
 from ..kernel_configs import GATHER_GEMM, PLAN_BLOCK_SIZES, WGRAD
-from ..launcher import NOT_SPECIALIZED, SPECIALIZED, arg_specialization
+from ..launch_spec import Size, Tensor
+from ..launcher import NOT_SPECIALIZED, SPECIALIZED, arg_specialization, jit_function
 from ..plan import mirrored_signal_offsets
 from ..tuning.aot import (AOT_DTYPES, AOT_GEOMETRIES, STRIDED_VOLUMES, SUBMANIFOLD_VOLUMES,
                           ConvLaunch, conv_launches)
 from .keys import TARGET_SHARED_MEMORY, TARGETS
 
-# Example values of the ints no kernel specializes on (rows, grid extents, counts): any serve.
+# Example value of the ints no kernel specializes on (rows, grid extents, counts, places; the
+# SIZE arguments of the launch descriptions): any serves.
 EXAMPLE_ROWS = 256
-REP_GRID = (128, 128, 128)
 # The explicit algorithm's gathers (im2col): picked by "auto" only for 16-bit layers of 768+
 # channels (kernel_configs.EXPLICIT_MIN_CHANNELS), or asked for by name; 3x3x3 only.
 EXPLICIT_VOLUMES = (27,)
+EXPLICIT_CHANNELS = 1024  # (a multiple of 16, as the wide layers' widths are)
 # Pool windows of the sparse U-Nets and detectors that pool: 2x2x2 and 3x3x3.
 REP_POOL_VOLUMES = (8, 27)
-# The example of each int32 class Triton compiles for (make_variant): 1, divisible by 16, other
+# The example of each int32 class Triton compiles for (_int_example): 1, divisible by 16, other
 # (also every int a kernel does not specialize on: sizes, counts, places).
 INT_ONE, INT_DIV16, INT_PLAIN = 1, 16, 17
 
@@ -68,6 +75,7 @@ KERNELS = {
     POOL_FWD: "sparse_pool:sparse_pool_fwd_kernel",
     POOL_BWD: "sparse_pool:sparse_pool_bwd_kernel",
 }
+_SHORT_NAMES = {where: name for name, where in KERNELS.items()}
 
 
 @dataclass(frozen=True)
@@ -89,27 +97,92 @@ class Variant:
         return KERNELS[self.kernel].split(":")[1]
 
 
-def make_variant(kernel: str, values: dict, constexprs: dict) -> Variant:
-    """A Variant from {parameter name: ("tensor", dtype) | int} in any order; a parameter the
-    registry does not know (the kernel changed) is a clear error, not a silent mismatch. Each
-    int becomes the example of its class (_int_example), so calls of one specialization are one
-    variant."""
-    probe = Variant(kernel, (), ())
-    fn = getattr(importlib.import_module(probe.module), probe.attr)
+# id(kernel) -> (kernel, jit_function(kernel)); holding the kernel keeps its id its own.
+_jit_functions: dict = {}
+
+
+class _Size(int):
+    """The example passed for a SIZE argument: an int that knows it is one (see _variant)."""
+
+
+def record(describe: Callable, dtypes: dict | None = None, **given) -> Variant:
+    """The Variant of the launch `describe` makes (a launch description: flexplan/launch_spec.py)
+    when called with `given` (by name) and, for each of its other arguments, an example of the
+    kind it is annotated with: a tensor of its dtype (a role's: `dtypes`, e.g. {"feature":
+    "float16"}), or any int for a SIZE. Its `run` is a recorder: the description computes the
+    launch's grid, argument list and constexprs as it does for the ops."""
+    values = dict(given)
+    for name, kind in _kinds(describe):
+        if name in values:
+            continue
+        if isinstance(kind, Tensor):
+            dtype = (dtypes or {}).get(kind.dtype, kind.dtype)
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise KeyError(f"{describe.__qualname__}: {name!r} is a {kind.dtype!r} tensor; "
+                               "give that role's dtype (dtypes)")
+            values[name] = ("tensor", dtype)
+        elif isinstance(kind, Size):
+            values[name] = _Size(EXAMPLE_ROWS)
+        else:
+            raise TypeError(f"{describe.__qualname__}: the build must give {name!r} (annotated "
+                            f"{kind!r}: neither a tensor kind nor SIZE)")
+    calls = []
+    describe(lambda kernel, grid, *args, **constexprs: calls.append((kernel, args, constexprs)),
+             **values)
+    if len(calls) != 1:
+        raise RuntimeError(f"{describe.__qualname__} launched {len(calls)} kernels; a launch "
+                           "description launches one")
+    return _variant(describe, *calls[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _kinds(describe: Callable) -> tuple[tuple[str, object], ...]:
+    """(name, annotation) of each argument of a launch description after `run`; postponed
+    annotations evaluated in its module (None where one does not evaluate)."""
+    kinds = []
+    for name in list(inspect.signature(describe).parameters)[1:]:
+        kind = describe.__annotations__.get(name)
+        if isinstance(kind, str):
+            try:
+                kind = eval(kind, describe.__globals__)  # noqa: S307 (the module's own annotation)
+            except Exception:  # noqa: BLE001 (a type the module only names: not a kind)
+                kind = None
+        kinds.append((name, kind))
+    return tuple(kinds)
+
+
+def _variant(describe: Callable, kernel, args: tuple, constexprs: dict) -> Variant:
+    """The Variant of one recorded call: tensors as they are, each int as the example of its
+    class for the kernel's parameter (_int_example)."""
+    fn = _jit_functions.get(id(kernel), (None, None))[1]
+    if fn is None:  # (under TRITON_INTERPRET=1, jit_function makes one: once per kernel)
+        fn = jit_function(kernel)
+        _jit_functions[id(kernel)] = kernel, fn
+    where = f"{fn.fn.__module__.rpartition('.')[2]}:{fn.fn.__name__}"
+    if where not in _SHORT_NAMES:
+        raise KeyError(f"{describe.__qualname__} launches {where}, which KERNELS does not list")
+    params = fn.params
+    if len(args) > len(params) or any(p.is_constexpr for p in params[:len(args)]) or any(
+            not p.is_constexpr for p in params[len(args):]):
+        raise TypeError(f"{describe.__qualname__} passes {len(args)} arguments to {where}, whose "
+                        "runtime parameters are " + str([p.name for p in params if not p.is_constexpr]))
     unknown = set(constexprs) - set(fn.arg_names) - LAUNCH_OPTIONS
     if unknown:
-        raise KeyError(f"flexplan/aot/variants.py passes {sorted(unknown)} to {probe.attr}, which has no "
-                       "such parameters; update its argument list")
-    args = []
-    for name, how in zip(fn.arg_names, arg_specialization(fn)):
-        if name in constexprs:
-            continue
-        if name not in values:
-            raise KeyError(f"flexplan/aot/variants.py does not describe parameter {name!r} of "
-                           f"{probe.attr}; update its argument list")
-        value = values[name]
-        args.append(value if isinstance(value, tuple) else ("int", _int_example(value, how)))
-    return Variant(kernel, tuple(args), tuple(sorted(constexprs.items())))
+        raise KeyError(f"{describe.__qualname__} passes {sorted(unknown)} to {where}, which has no "
+                       "such parameters")
+    out = []
+    for arg, param, how in zip(args, params, arg_specialization(kernel)):
+        if isinstance(arg, tuple):
+            out.append(arg)
+        elif isinstance(arg, int) and not isinstance(arg, bool):
+            if isinstance(arg, _Size) and how != NOT_SPECIALIZED:
+                raise TypeError(f"{describe.__qualname__} annotates {param.name!r} of {where} as "
+                                "SIZE, but the kernel specializes it: annotate it int (the build "
+                                "gives its value)")
+            out.append(("int", _int_example(int(arg), how)))
+        else:
+            raise TypeError(f"{describe.__qualname__} passes {param.name}={arg!r} to {where}")
+    return Variant(_SHORT_NAMES[where], tuple(out), tuple(sorted(constexprs.items())))
 
 
 def _int_example(value: int, how: int) -> int:
@@ -133,42 +206,38 @@ def _acc_dtype(dtype: str) -> str:
 
 
 def gather_gemm_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
-    """The launches of ops.sparse_conv.gather_gemm for one dispatched launch: grad-input over the
+    """The launches of ops.conv.gather_gemm for one dispatched launch: grad-input over the
     forward map reversed (submanifold plans) or the backward map (the others); the forward with
     and without bias (split-K adds it after the kernel)."""
-    from ..ops.sparse_conv import gather_gemm_constexprs
+    from ..ops.conv import launch_gather_gemm
 
     problem, cfg = launch.problem, launch.config
-    feat, i32 = ("tensor", _torch_dtype(launch.dtype)), ("tensor", "int32")
-    out = ("tensor", _acc_dtype(launch.dtype)) if cfg.splitk > 1 else feat
-    m, k, n = problem.gemm_mkn
-    values = dict(src_ptr=feat, weight_ptr=feat, bias_ptr=feat, map_ptr=i32, order_ptr=i32,
-                  chunk_order_ptr=i32, valid_kernel_ptr=i32, valid_kernel_seg_ptr=i32, out_ptr=out,
-                  M=m, K=k, N=n, V=problem.v)
+    feature = _torch_dtype(launch.dtype)
+    dtypes = dict(feature=feature, output=_acc_dtype(launch.dtype) if cfg.splitk > 1 else feature)
+    _, k, n = problem.gemm_mkn
     reverses = (True,) * (problem.v in SUBMANIFOLD_VOLUMES) + (False,) * (
         problem.v in STRIDED_VOLUMES) if problem.part == "dgrad" else ()
     biases = (True, False) if problem.part == "fwd" and cfg.splitk == 1 else (False,)
-    masked = problem.algo.startswith("masked")
     for reverse, bias in itertools.product(reverses or (False,), biases):
-        yield make_variant(GATHER_GEMM, values, gather_gemm_constexprs(
-            cfg, masked, reverse, bias, launch.dtype, hip))
+        yield record(launch_gather_gemm, dtypes, k=k, n=n, v=problem.v, cfg=cfg,
+                     masked=problem.algo.startswith("masked"), reverse=reverse, has_bias=bias,
+                     dtype=launch.dtype, hip=hip)
 
 
 def wgrad_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
-    """The launch of ops.sparse_conv.wgrad for one dispatched launch (its config already the
-    dtype's: kernel_configs.precision_config)."""
-    from ..ops.sparse_conv import wgrad_constexprs
+    """The launch of ops.conv.wgrad for one dispatched launch (its config already the dtype's:
+    kernel_configs.precision_config), over a submanifold plan's mirrored offsets or all of a
+    strided plan's."""
+    from ..ops.conv import launch_wgrad
 
     problem, cfg = launch.problem, launch.config
-    feat, i32 = ("tensor", _torch_dtype(launch.dtype)), ("tensor", "int32")
-    out = ("tensor", _acc_dtype(launch.dtype)) if cfg.splitk > 1 else feat
+    feature = _torch_dtype(launch.dtype)
+    dtypes = dict(feature=feature, output=_acc_dtype(launch.dtype) if cfg.splitk > 1 else feature)
     signals = ((mirrored_signal_offsets(problem.v),) * (problem.v in SUBMANIFOLD_VOLUMES)
                + (problem.v,) * (problem.v in STRIDED_VOLUMES))
     for signal in signals or (problem.v,):
-        values = dict(grad_out_ptr=feat, src_ptr=feat, pair_out_ptr=i32, pair_in_ptr=i32,
-                      pair_seg_ptr=i32, out_ptr=out, CO=problem.co, CI=problem.ci, V=problem.v,
-                      S=signal)
-        yield make_variant(WGRAD, values, wgrad_constexprs(cfg, launch.dtype, hip))
+        yield record(launch_wgrad, dtypes, co=problem.co, ci=problem.ci, v=problem.v,
+                     signal_offsets=signal, cfg=cfg, dtype=launch.dtype, hip=hip)
 
 
 def _submanifold():
@@ -182,111 +251,74 @@ def _strided():
 def planner_variants() -> Iterator[Variant]:
     """The launches of flexplan.planner.hashmap: table build and submanifold neighbour map, for
     the submanifold geometries of AOT_GEOMETRIES."""
-    from ..planner.hashmap import INSERT_LAUNCH, LOOKUP_LAUNCH
+    from ..planner.hashmap import launch_hash_insert, launch_neighbor_map
 
-    i32, i64 = ("tensor", "int32"), ("tensor", "int64")
     for key_64 in (False, True):
-        common = dict(table_keys=i64, table_vals=i32, coords=i32, nmap=i32, n=EXAMPLE_ROWS,
-                      slot_mask=(1 << 12) - 1, batch_size=2, size_x=REP_GRID[0], size_y=REP_GRID[1],
-                      size_z=REP_GRID[2])
         for volume in sorted({1} | {g.volume for g in _submanifold()}):  # 1: coords_problems
-            yield make_variant(HASH_INSERT, dict(common, problems=i64),
-                               dict(V=volume, KEY_64=key_64, **INSERT_LAUNCH))
-        for g in _submanifold():
-            (kx, ky, kz), (dx, dy, dz) = g.kernel_size, g.dilation
-            yield make_variant(HASH_SUBM_NMAP, common, dict(
-                KX=kx, KY=ky, KZ=kz, DX=dx, DY=dy, DZ=dz, KEY_64=key_64, **LOOKUP_LAUNCH))
+            yield record(launch_hash_insert, volume=volume, key_64=key_64)
+        for geometry in _submanifold():
+            yield record(launch_neighbor_map, geometry=geometry, key_64=key_64)
 
 
 def segment_variants() -> Iterator[Variant]:
     """The launches of flexplan.planner.segments_triton (Gray-code order, per-block offsets,
     grad-weight pairs) and of the plan cache's coordinate hash (flexplan.coords_hash), for the
     volumes of AOT_GEOMETRIES."""
-    from ..coords_hash import _TRITON_BLOCK
+    from ..coords_hash import launch_plan_hash
     from ..planner import segments_triton as seg
     from ..planner.segments import rank_words
 
-    i32, i64 = ("tensor", "int32"), ("tensor", "int64")
-    smallest, levels = seg.block_levels(PLAN_BLOCK_SIZES)
-    m = EXAMPLE_ROWS  # (no size is specialized: one row count serves all)
     for v in sorted({g.volume for g in AOT_GEOMETRIES}):
         bits, dtype, words = rank_words(v)
-        word = ("tensor", str(dtype).removeprefix("torch."))
-        n_blocks = sum(-(-m // (smallest << l)) for l in range(levels))
-        words_constexprs = dict(WORDS=words, WORD_BITS=bits)
-        level_constexprs = dict(words_constexprs, B0=smallest, LEVELS=levels)
-        yield make_variant("gray_rank", dict(nmap=i32, ranks=word, counts=i32, n=m,
-                                             signal_offsets=v, padded=m),
-                           dict(words_constexprs, V=v, **seg.GRAY_RANK_LAUNCH))
+        word = dict(words=str(dtype).removeprefix("torch."))
+        yield record(seg.launch_gray_rank, word, v=v, words=words, word_bits=bits)
+        # (no size is specialized: one row count serves all)
+        layout = seg.schedule_layout(EXAMPLE_ROWS, v, PLAN_BLOCK_SIZES, 0)
         # build_plan (two flags: the coords check) and the schedule alone; scans of int32 and int64
-        for num_flags, scan in itertools.product((0, 2), (i32, i64)):
-            yield make_variant("schedule_offsets", dict(
-                sorted_ranks=word, order=i64, sorted_idx=i32, counts=i32, scan=scan,
-                plan_out=i32, readback=i64, n=m, entries=m, kernels_at=m, segs_at=m + n_blocks * v,
-                chunks=1, tiles=2), dict(level_constexprs, V=v, FLAGS=num_flags, **seg.SCHEDULE_LAUNCH))
+        for num_flags, scan in itertools.product((0, 2), ("int32", "int64")):
+            yield record(seg.launch_schedule, dict(word, scan=scan), layout=layout, v=v,
+                         words=words, word_bits=bits, num_flags=num_flags)
         # submanifold plans keep the mirrored half of the offsets, the others all of them
         offsets = ((mirrored_signal_offsets(v),) * (v in SUBMANIFOLD_VOLUMES)
                    + (v,) * (v in STRIDED_VOLUMES))
-        for signal, scan in itertools.product(offsets, (i32, i64)):
-            yield make_variant("pairs", dict(nmap=i32, scan=scan, pair_rows=i32, room=m, seg=i32,
-                                             n=m),
-                               dict(V=v, SIGNAL=signal, **seg.PAIRS_LAUNCH,
-                                    V_CHUNK=seg.pairs_v_chunk(signal)))
-    yield make_variant(PLAN_HASH, dict(words_ptr=i64, partial_ptr=i64, n_words=m), dict(BLOCK=_TRITON_BLOCK))
+        for signal, scan in itertools.product(offsets, ("int32", "int64")):
+            yield record(seg.launch_pairs, dict(scan=scan), v=v, signal_offsets=signal)
+    yield record(launch_plan_hash)
 
 
 def generative_variants() -> Iterator[Variant]:
     """The launches of flexplan.planner.generative_triton (strided and transposed plans; their
     schedules: segment_variants), for the strided and transposed geometries of AOT_GEOMETRIES
     and both key dtypes."""
-    import torch
-
     from ..planner import generative_triton as gen
 
-    i32, i64 = ("tensor", "int32"), ("tensor", "int64")
-    n = EXAMPLE_ROWS
-    grid = dict(size_x=REP_GRID[0], size_y=REP_GRID[1], size_z=REP_GRID[2])
     for geometry, key_dtype in itertools.product(_strided(), (torch.int32, torch.int64)):
-        keys = ("tensor", str(key_dtype).removeprefix("torch."))
+        keys = dict(keys=str(key_dtype).removeprefix("torch."))
         sent, slots = gen.SENTINEL[key_dtype], gen.candidate_slots(geometry)
-        per_axis = {f"{name}{axis}": value for name, values in (
-            ("K", geometry.kernel_size), ("S", geometry.stride), ("P", geometry.padding),
-            ("D", geometry.dilation)) for axis, value in zip("XYZ", values)}
-        yield make_variant("generative_candidates", dict(coords=i32, keys=keys, taps=i32, n=n, **grid),
-                           dict(per_axis, T=slots, TRANSPOSED=geometry.transposed, SENT=sent,
-                                **gen.CANDIDATES_LAUNCH))
-        yield make_variant("run_starts", dict(sorted_keys=keys, starts=i32, totals=i64, total=n * slots),
-                           dict(SENT=sent, **gen.ENTRIES_LAUNCH))
+        yield record(gen.launch_candidates, keys, geometry=geometry, slots=slots, sent=sent)
+        yield record(gen.launch_run_starts, keys, sent=sent)
         for write_fwd in (False, True):  # the bwd map, then the fwd map and output coords
-            yield make_variant("generative_scatter", dict(
-                sorted_keys=keys, order=i64, rank=i32, taps=i32, bwd=i32, fwd=i32, out_coords=i32,
-                total=n * slots, n_in=n, **grid), dict(T=slots, V=geometry.volume, SENT=sent,
-                                                      WRITE_BWD=not write_fwd, WRITE_FWD=write_fwd,
-                                                      **gen.ENTRIES_LAUNCH))
+            yield record(gen.launch_scatter, keys, slots=slots, v=geometry.volume, sent=sent,
+                         write_fwd=write_fwd)
     for volume in sorted(STRIDED_VOLUMES):  # an inverse conv's bwd map
-        yield make_variant("transpose_map", dict(fwd=i32, bwd=i32, entries=n * volume),
-                           dict(V=volume, **gen.TRANSPOSE_LAUNCH))
+        yield record(gen.launch_transpose_map, v=volume)
 
 
 def view_variants() -> Iterator[Variant]:
     """The launches of GatherMap.sorted_map_t and GatherMap.chunk_order (flexplan/plan.py): one
     specialization each (rows, volume and the places of sorted_idx are not specialized)."""
     from ..kernel_configs import SCHEDULE_CHUNK
-    from ..plan import CHUNK_ORDER_LAUNCH, SORTED_MAP_T_LAUNCH
+    from ..plan import launch_chunk_order, launch_sorted_map_t
 
-    i32, m = ("tensor", "int32"), EXAMPLE_ROWS
-    yield make_variant("sorted_map_t", dict(nmap=i32, sorted_idx=i32, out=i32, m=m, V=27),
-                       SORTED_MAP_T_LAUNCH)
-    yield make_variant("chunk_order", dict(sorted_idx=i32, order=i32, m=m),
-                       dict(CHUNK=SCHEDULE_CHUNK, **CHUNK_ORDER_LAUNCH))
+    yield record(launch_sorted_map_t)
+    yield record(launch_chunk_order, chunk=SCHEDULE_CHUNK)
 
 
 def check_variants() -> Iterator[Variant]:
     """The plan-file load check (flexplan/cache/format.py, plan_problem): one specialization."""
-    from ..cache.format import PLAN_CHECK_LAUNCH
+    from ..cache.format import launch_plan_check
 
-    yield make_variant(PLAN_CHECK, dict(table=("tensor", "int64"), flags=("tensor", "int32")),
-                       PLAN_CHECK_LAUNCH)
+    yield record(launch_plan_check)
 
 
 def _feature_dtypes() -> list[str]:
@@ -295,42 +327,33 @@ def _feature_dtypes() -> list[str]:
 
 
 def im2col_variants() -> Iterator[Variant]:
-    """The launches of ops.sparse_conv._im2col_chunks (the explicit algorithm's gathers), for
-    every feature dtype; their tiles are fixed, so rows and channels only vary the int classes."""
-    from ..kernel_configs import IM2COL_BLOCK_K, IM2COL_BLOCK_M, im2col_channel_major_blocks
+    """The launches of ops.conv._im2col_chunks (the explicit algorithm's gathers), for every
+    feature dtype; their tiles are fixed, so rows and channels only vary the int classes."""
+    from ..ops.conv import launch_im2col, launch_im2col_channel_major
 
-    i32 = ("tensor", "int32")
     for dtype, v in itertools.product(_feature_dtypes(), EXPLICIT_VOLUMES):
-        values = dict(src_ptr=("tensor", dtype), map_ptr=i32, out_ptr=("tensor", dtype), row_start=0,
-                      rows=EXAMPLE_ROWS, K=1024, V=v)
-        yield make_variant(IM2COL, values, dict(BLOCK_M=IM2COL_BLOCK_M, BLOCK_K=IM2COL_BLOCK_K))
-        block_m, block_k, v_pad = im2col_channel_major_blocks(v)
+        feature = dict(feature=dtype)
+        yield record(launch_im2col, feature, k=EXPLICIT_CHANNELS, v=v)
         for reverse in (False, True):  # grad-input of strided plans, of submanifold ones
-            yield make_variant(IM2COL_CHANNEL_MAJOR, values, dict(
-                REVERSE_V=reverse, BLOCK_M=block_m, BLOCK_K=block_k, V_PAD=v_pad))
+            yield record(launch_im2col_channel_major, feature, k=EXPLICIT_CHANNELS, v=v,
+                         reverse=reverse)
 
 
 def pool_variants() -> Iterator[Variant]:
-    """The launches of ops.sparse_pool (max / avg, forward with and without what the backward
-    reads, backward) for the covered feature dtypes, channel counts divisible by 16 (others
+    """The launches of ops.pool (max / avg, forward with and without what the backward reads,
+    backward) for the covered feature dtypes, channel counts divisible by 16 (others
     JIT-compile) and REP_POOL_VOLUMES."""
-    import torch
+    from ..ops.pool import launch_pool_backward, launch_pool_forward
 
-    from ..ops.sparse_pool import pool_backward_constexprs, pool_forward_constexprs
-
-    i32, f32 = ("tensor", "int32"), ("tensor", "float32")
     for dtype, mode, volume in itertools.product(_feature_dtypes(), ("max", "avg"), REP_POOL_VOLUMES):
-        feats, torch_dtype = ("tensor", dtype), getattr(torch, dtype)
+        feature, torch_dtype = dict(feature=dtype), getattr(torch, dtype)
         # inference, training; the max floored at 0 (the spconv layers') and the plain one
         floors = (True, False) if mode == "max" else (False,)
         for write_arg, zero_floor in itertools.product((False, True), floors):
-            yield make_variant(POOL_FWD, dict(feats=feats, nmap=i32, out=feats, arg=i32, count=f32,
-                                              rows=EXAMPLE_ROWS, C=INT_DIV16),
-                               pool_forward_constexprs(mode, volume, write_arg, torch_dtype,
-                                                       zero_floor))
-        yield make_variant(POOL_BWD, dict(grad_out=feats, bmap=i32, arg=i32, count=f32,
-                                          grad_in=feats, rows=EXAMPLE_ROWS, C=INT_DIV16),
-                           pool_backward_constexprs(mode, volume, torch_dtype))
+            yield record(launch_pool_forward, feature, channels=INT_DIV16, mode=mode, volume=volume,
+                         write_arg=write_arg, dtype=torch_dtype, zero_floor=zero_floor)
+        yield record(launch_pool_backward, feature, channels=INT_DIV16, mode=mode, volume=volume,
+                     dtype=torch_dtype)
 
 
 _VARIANTS_OF = {GATHER_GEMM: gather_gemm_variants, WGRAD: wgrad_variants}

@@ -23,6 +23,7 @@ import torch
 
 from ..device_guard import on_device_of
 from ..geometry import ConvGeometry
+from ..launch_spec import INT32, INT64, SIZE
 from ..plan import (PLAN_FORMAT_VERSION, ConvPlan, GatherMap, kernels_run_on,
                     mirrored_signal_offsets)
 
@@ -256,6 +257,17 @@ def plan_problem(plan: ConvPlan) -> str | None:
 PLAN_CHECK_LAUNCH = dict(BLOCK=1024, ITERS=8, num_warps=4)
 
 
+def launch_plan_check(run, table: INT64, flags: INT32, longest: SIZE, rows: SIZE) -> None:
+    """flags [rows]: nonzero where a check of the table [rows, TABLE_COLUMNS] fails; longest: the
+    most entries one row checks. (The launch written once, for the check below and the AOT
+    build: flexplan/launch_spec.py.)"""
+    from ..kernels_src import plan_check
+
+    per_program = PLAN_CHECK_LAUNCH["BLOCK"] * PLAN_CHECK_LAUNCH["ITERS"]
+    run(plan_check.plan_bounds_kernel, (-(-longest // per_program), rows), table, flags,
+        **PLAN_CHECK_LAUNCH)
+
+
 def _check_kernel_runs_on(tensors: list) -> bool:
     """One launch where kernels run (a GPU, or the interpreter) and every tensor is a contiguous
     int32 array, as plans hold them; else the torch expressions."""
@@ -276,9 +288,7 @@ def _values_ok_kernel(bounds, segs) -> list[bool]:
     longest = max(row[1] for row in rows)
     with on_device_of(flags):  # the plan's GPU, whatever device is current
         if longest:
-            per_program = PLAN_CHECK_LAUNCH["BLOCK"] * PLAN_CHECK_LAUNCH["ITERS"]
-            launch(plan_check.plan_bounds_kernel, (-(-longest // per_program), len(rows)),
-                   table, flags, **PLAN_CHECK_LAUNCH)
+            launch_plan_check(launch, table, flags, longest, len(rows))
         return [flag == 0 for flag in flags.tolist()]  # the one host sync
 
 

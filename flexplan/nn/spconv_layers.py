@@ -18,7 +18,7 @@ import torch
 from ..geometry import ConvGeometry, triple
 from ..kernel_configs import ALGORITHMS
 from ..cache.key import derived_identity
-from ..ops.sparse_conv import sparse_conv
+from ..ops.conv import sparse_conv
 from ..plan_provider import tensor_plan
 from ..sparse_tensor import Plans
 from .sparse_conv_tensor import IndiceData, SparseConvTensor

@@ -12,7 +12,7 @@ import torch
 
 from ..cache.key import derived_identity
 from ..geometry import ConvGeometry
-from ..ops.sparse_pool import global_pool, sparse_pool
+from ..ops.pool import global_pool, sparse_pool
 from ..plan_provider import tensor_plan
 from ..sparse_tensor import Plans
 from .sparse_conv_tensor import IndiceData, SparseConvTensor

@@ -6,7 +6,7 @@ import math
 import torch
 
 from ..geometry import ConvGeometry
-from ..ops.sparse_conv import sparse_conv
+from ..ops.conv import sparse_conv
 from ..plan_provider import tensor_plan
 from ..sparse_tensor import SparseTensor
 

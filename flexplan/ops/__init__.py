@@ -1,5 +1,5 @@
 """Sparse convolution ops: one module per op, each a kernel launcher + autograd Function."""
-from .sparse_conv import SparseConvFunction, sparse_conv
-from .sparse_pool import SparsePoolFunction, global_pool, sparse_pool
+from .conv import SparseConvFunction, sparse_conv
+from .pool import SparsePoolFunction, global_pool, sparse_pool
 
 __all__ = ["SparseConvFunction", "SparsePoolFunction", "global_pool", "sparse_conv", "sparse_pool"]

@@ -23,7 +23,8 @@ import torch
 from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..kernels_src import plan_generative as kernels
-from ..launcher import cdiv, launch
+from ..launch_spec import INT32, INT64, KEYS, SIZE
+from ..launcher import launch
 from ..plan import MISSING, ConvPlan, signal_fields
 from .keys import key_dtype
 from .segments_triton import plan_schedule_triton, schedule_layout
@@ -54,6 +55,46 @@ def candidate_slots(geometry: ConvGeometry) -> int:
     return slots
 
 
+# Launch descriptions: each launch written once (flexplan/launch_spec.py), for the planner below
+# and the AOT build (flexplan/aot/variants.py), which records them with example arguments.
+
+def launch_candidates(run, coords: INT32, keys: KEYS, taps: INT32, n: SIZE, size_x: SIZE,
+                      size_y: SIZE, size_z: SIZE, geometry: ConvGeometry, slots: int,
+                      sent: int) -> None:
+    """keys, taps [n * slots]: the candidates of coords' n rows on the output grid (slots:
+    candidate_slots(geometry); sent: SENTINEL of the keys' dtype)."""
+    (kx, ky, kz), (sx, sy, sz) = geometry.kernel_size, geometry.stride
+    (px, py, pz), (dx, dy, dz) = geometry.padding, geometry.dilation
+    run(kernels.generative_candidates_kernel, (-(-n // CANDIDATES_LAUNCH["BLOCK"]),), coords,
+        keys, taps, n, size_x, size_y, size_z, KX=kx, KY=ky, KZ=kz, SX=sx, SY=sy, SZ=sz, PX=px,
+        PY=py, PZ=pz, DX=dx, DY=dy, DZ=dz, T=slots, TRANSPOSED=geometry.transposed, SENT=sent,
+        **CANDIDATES_LAUNCH)
+
+
+def launch_run_starts(run, sorted_keys: KEYS, starts: INT32, totals: INT64, total: SIZE,
+                      sent: int) -> None:
+    """starts [total]: where a run of equal sorted keys begins; totals[1]: the candidates."""
+    run(kernels.run_starts_kernel, (-(-total // ENTRIES_LAUNCH["BLOCK"]),), sorted_keys, starts,
+        totals, total, SENT=sent, **ENTRIES_LAUNCH)
+
+
+def launch_scatter(run, sorted_keys: KEYS, order: INT64, rank: INT32, taps: INT32, bwd: INT32,
+                   fwd: INT32, out_coords: INT32, total: SIZE, n_in: SIZE, size_x: SIZE,
+                   size_y: SIZE, size_z: SIZE, slots: int, v: int, sent: int,
+                   write_fwd: bool) -> None:
+    """The bwd map, or (write_fwd) the fwd map and the output coordinates, from the sorted
+    candidates."""
+    run(kernels.generative_scatter_kernel, (-(-total // ENTRIES_LAUNCH["BLOCK"]),), sorted_keys,
+        order, rank, taps, bwd, fwd, out_coords, total, n_in, size_x, size_y, size_z, T=slots,
+        V=v, SENT=sent, WRITE_BWD=not write_fwd, WRITE_FWD=write_fwd, **ENTRIES_LAUNCH)
+
+
+def launch_transpose_map(run, fwd: INT32, bwd: INT32, entries: SIZE, v: int) -> None:
+    """bwd of fwd's `entries` (rows x v) entries."""
+    run(kernels.transpose_map_kernel, (-(-entries // TRANSPOSE_LAUNCH["BLOCK"]),), fwd, bwd,
+        entries, V=v, **TRANSPOSE_LAUNCH)
+
+
 def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
                            out_shape: tuple[int, int, int], batch_size: int,
                            geometry: ConvGeometry, training: bool = True) -> ConvPlan:
@@ -68,12 +109,7 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
     total = n * slots
     keys = torch.empty(total, dtype=kdtype, device=device)
     taps = torch.empty(total, dtype=torch.int32, device=device)
-    (kx, ky, kz), (sx, sy, sz) = geometry.kernel_size, geometry.stride
-    (px, py, pz), (dx, dy, dz) = geometry.padding, geometry.dilation
-    launch(kernels.generative_candidates_kernel, (cdiv(n, CANDIDATES_LAUNCH["BLOCK"]),), coords,
-           keys, taps, n, *out_shape, KX=kx, KY=ky, KZ=kz, SX=sx, SY=sy, SZ=sz, PX=px, PY=py,
-           PZ=pz, DX=dx, DY=dy, DZ=dz, T=slots, TRANSPOSED=geometry.transposed, SENT=sent,
-           **CANDIDATES_LAUNCH)
+    launch_candidates(launch, coords, keys, taps, n, *out_shape, geometry, slots, sent)
     sorted_keys, order = torch.sort(keys)
     del keys
     # The bwd schedule's readback, with the two totals in front (its sync reads them all).
@@ -81,18 +117,15 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
     readback = torch.full((TOTALS + (layout.readback_slots if training else 0),), -1,
                           dtype=torch.int64, device=device)
     starts = torch.empty(total, dtype=torch.int32, device=device)
-    entries_grid = (cdiv(total, ENTRIES_LAUNCH["BLOCK"]),)
-    launch(kernels.run_starts_kernel, entries_grid, sorted_keys, starts, readback, total,
-           SENT=sent, **ENTRIES_LAUNCH)
+    launch_run_starts(launch, sorted_keys, starts, readback, total, sent)
     rank = torch.cumsum(starts, 0, dtype=torch.int32)
     del starts
     readback[:1].copy_(rank[-1:])  # output rows: the last inclusive count
     scatter = (sorted_keys, order, rank, taps)
     if training:
         bwd = torch.full((n, v), MISSING, dtype=torch.int32, device=device)
-        launch(kernels.generative_scatter_kernel, entries_grid, *scatter, bwd, bwd, coords, total,
-               n, *out_shape, T=slots, V=v, SENT=sent, WRITE_BWD=True, WRITE_FWD=False,
-               **ENTRIES_LAUNCH)
+        launch_scatter(launch, *scatter, bwd, bwd, coords, total, n, *out_shape, slots, v, sent,
+                       False)
         bwd_map, _, (n_out, pairs) = plan_schedule_triton(bwd, PLAN_BLOCK_SIZES, 0, readback,
                                                           TOTALS, layout)
     else:
@@ -102,9 +135,8 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
     fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=device)
     out_coords = torch.empty((n_out, 4), dtype=torch.int32, device=device)
     if pairs:
-        launch(kernels.generative_scatter_kernel, entries_grid, *scatter, fwd, fwd, out_coords,
-               total, n, *out_shape, T=slots, V=v, SENT=sent, WRITE_BWD=False, WRITE_FWD=True,
-               **ENTRIES_LAUNCH)
+        launch_scatter(launch, *scatter, fwd, fwd, out_coords, total, n, *out_shape, slots, v,
+                       sent, True)
     del scatter, sorted_keys, order, rank, taps
     fwd_map, signal, _ = plan_schedule_triton(fwd, PLAN_BLOCK_SIZES, v if training else 0,
                                               pairs_total=pairs)
@@ -119,6 +151,5 @@ def transposed_map_triton(fwd: torch.Tensor, num_in: int) -> torch.Tensor:
     m, v = fwd.shape
     bwd = torch.full((num_in, v), MISSING, dtype=torch.int32, device=fwd.device)
     if m:
-        launch(kernels.transpose_map_kernel, (cdiv(m * v, TRANSPOSE_LAUNCH["BLOCK"]),),
-               fwd.contiguous(), bwd, m * v, V=v, **TRANSPOSE_LAUNCH)
+        launch_transpose_map(launch, fwd.contiguous(), bwd, m * v, v)
     return bwd

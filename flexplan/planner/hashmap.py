@@ -11,7 +11,8 @@ import torch
 
 from ..geometry import ConvGeometry
 from ..kernels_src import hashmap as kernels
-from ..launcher import cdiv, launch
+from ..launch_spec import INT32, INT64, SIZE
+from ..launcher import launch
 from .keys import EMPTY_KEY, key_dtype
 
 # Tiles and warps, from sweeps (measurements: scripts/results/design_measurements.md): small
@@ -23,6 +24,30 @@ LOOKUP_LAUNCH = dict(BLOCK=256, num_warps=1)
 
 # The input check's slots after the table: the first row outside the grid, a duplicated row.
 PROBLEM_SLOTS = 2
+
+
+# Launch descriptions: each launch written once (flexplan/launch_spec.py), for the planner below
+# and the AOT build (flexplan/aot/variants.py), which records them with example arguments.
+
+def launch_hash_insert(run, table_keys: INT64, table_vals: INT32, coords: INT32, n: SIZE,
+                       slot_mask: SIZE, problems: INT64, nmap: INT32, batch_size: SIZE,
+                       size_x: SIZE, size_y: SIZE, size_z: SIZE, volume: int,
+                       key_64: bool) -> None:
+    """The table of coords' n keys; starts nmap [n, volume] (its centre column)."""
+    run(kernels.hash_insert_kernel, (-(-n // INSERT_LAUNCH["BLOCK"]),), table_keys, table_vals,
+        coords, n, slot_mask, problems, nmap, batch_size, size_x, size_y, size_z, V=volume,
+        KEY_64=key_64, **INSERT_LAUNCH)
+
+
+def launch_neighbor_map(run, table_keys: INT64, table_vals: INT32, coords: INT32, nmap: INT32,
+                        n: SIZE, slot_mask: SIZE, batch_size: SIZE, size_x: SIZE, size_y: SIZE,
+                        size_z: SIZE, geometry: ConvGeometry, key_64: bool) -> None:
+    """nmap [n, V] of a submanifold geometry: a lane per row and looked-up offset (half)."""
+    (kx, ky, kz), (dx, dy, dz) = geometry.kernel_size, geometry.dilation
+    lanes = n * (kx * ky * kz // 2)
+    run(kernels.submanifold_neighbor_map_kernel, (-(-lanes // LOOKUP_LAUNCH["BLOCK"]),),
+        table_keys, table_vals, coords, nmap, n, slot_mask, batch_size, size_x, size_y, size_z,
+        KX=kx, KY=ky, KZ=kz, DX=dx, DY=dy, DZ=dz, KEY_64=key_64, **LOOKUP_LAUNCH)
 
 
 def table_capacity(n: int) -> int:
@@ -53,16 +78,11 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     # this one then; nmap stands in, saving an allocation per build).
     values = torch.empty(capacity, dtype=torch.int32, device=device) if key_64 else nmap
     if n:
-        launch(kernels.hash_insert_kernel, (cdiv(n, INSERT_LAUNCH["BLOCK"]),), keys, values, coords,
-               n, capacity - 1, problems, nmap, batch_size, *spatial_shape, V=volume,
-               KEY_64=key_64, **INSERT_LAUNCH)
-    lanes = n * (volume // 2)
-    if lanes:
-        launch(kernels.submanifold_neighbor_map_kernel, (cdiv(lanes, LOOKUP_LAUNCH["BLOCK"]),),
-               keys, values, coords, nmap, n, capacity - 1, batch_size, *spatial_shape,
-               KX=geometry.kernel_size[0], KY=geometry.kernel_size[1], KZ=geometry.kernel_size[2],
-               DX=geometry.dilation[0], DY=geometry.dilation[1], DZ=geometry.dilation[2],
-               KEY_64=key_64, **LOOKUP_LAUNCH)
+        launch_hash_insert(launch, keys, values, coords, n, capacity - 1, problems, nmap,
+                           batch_size, *spatial_shape, volume, key_64)
+        if volume > 1:  # (1x1x1: the insert wrote the map's one column)
+            launch_neighbor_map(launch, keys, values, coords, nmap, n, capacity - 1, batch_size,
+                                *spatial_shape, geometry, key_64)
     return nmap, problems
 
 

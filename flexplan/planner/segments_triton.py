@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..kernels_src import plan_segments as kernels
+from ..launch_spec import INT32, INT64, SCAN, SIZE, WORDS
 from ..launcher import cdiv, launch
 from ..plan import BlockRuns, GatherMap
 from .rank_sort import TorchSort, rank_sorter
@@ -119,6 +120,37 @@ def schedule_layout(m: int, v: int, block_sizes: tuple[int, ...], signal_offsets
                           levels + 1 + chunks * levels + (tiles - chunks) + 1)
 
 
+# Launch descriptions: each launch written once (flexplan/launch_spec.py), for the planner below
+# and the AOT build (flexplan/aot/variants.py), which records them with example arguments.
+
+def launch_gray_rank(run, nmap: INT32, ranks: WORDS, counts: INT32, n: SIZE,
+                     signal_offsets: SIZE, padded: SIZE, v: int, words: int,
+                     word_bits: int) -> None:
+    """Gray ranks of nmap [n, v]'s rows (rank_words(v): words, word_bits) padded to `padded`,
+    and the pair counts of the offsets < signal_offsets per row block."""
+    run(kernels.gray_rank_kernel, (-(-n // ROW_BLOCK),), nmap, ranks, counts, n, signal_offsets,
+        padded, V=v, WORDS=words, WORD_BITS=word_bits, **GRAY_RANK_LAUNCH)
+
+
+def launch_schedule(run, sorted_ranks: WORDS, order: INT64, sorted_idx: INT32, counts: INT32,
+                    scan: SCAN, plan_out: INT32, readback: INT64, n: SIZE,
+                    layout: ScheduleLayout, v: int, words: int, word_bits: int,
+                    num_flags: int) -> None:
+    """The schedule of n sorted rows of a [n, v] map, laid out as `layout` says."""
+    run(kernels.schedule_offsets_kernel, (layout.tiles,), sorted_ranks, order, sorted_idx, counts,
+        scan, plan_out, readback, n, layout.entries, layout.kernels_at, layout.segs_at,
+        layout.chunks, layout.tiles, V=v, WORDS=words, WORD_BITS=word_bits, B0=layout.smallest,
+        LEVELS=layout.levels, FLAGS=num_flags, **SCHEDULE_LAUNCH)
+
+
+def launch_pairs(run, nmap: INT32, scan: SCAN, pair_rows: INT32, room: SIZE, seg: INT32, n: SIZE,
+                 v: int, signal_offsets: int) -> None:
+    """The pairs of nmap [n, v]'s offsets < signal_offsets: input rows, then output rows from
+    `room` on, in pair_rows."""
+    run(kernels.pairs_kernel, (-(-n // ROW_BLOCK),), nmap, scan, pair_rows, room, seg, n, V=v,
+        SIGNAL=signal_offsets, **PAIRS_LAUNCH, V_CHUNK=pairs_v_chunk(signal_offsets))
+
+
 def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],
                          signal_offsets: int, readback: torch.Tensor | None = None,
                          num_flags: int = 0, layout: ScheduleLayout | None = None,
@@ -137,15 +169,15 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     nmap = neighbor_map.contiguous()
     if layout is None:
         layout = schedule_layout(m, v, block_sizes, signal_offsets)
-    levels, row_blocks, entries = layout.levels, layout.row_blocks, layout.entries
+    levels, entries = layout.levels, layout.entries
     counts = torch.empty(max(1, entries), dtype=torch.int32, device=device)
     word_bits, word_dtype, words = rank_words(v)
     # (without block sizes nothing is sorted: the ranks are only computed with the pair counts)
     sorter = (rank_sorter if levels else TorchSort)(m, words, word_dtype, device)
     with sorter:  # a captured sort's keys and outputs are ours until the schedule is queued
         ranks = sorter.keys
-        launch(kernels.gray_rank_kernel, (row_blocks,), nmap, ranks, counts, m, signal_offsets,
-               sorter.size, V=v, WORDS=words, WORD_BITS=word_bits, **GRAY_RANK_LAUNCH)
+        launch_gray_rank(launch, nmap, ranks, counts, m, signal_offsets, sorter.size, v, words,
+                         word_bits)
         # The plan's int32 outputs share one buffer (one allocation, not four).
         plan_out = torch.empty(max(1, layout.out_size), dtype=torch.int32, device=device)
         if levels:
@@ -160,10 +192,8 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         if readback is None:
             readback = torch.full((num_flags + layout.readback_slots,), -1, dtype=torch.int64,
                                   device=device)
-        launch(kernels.schedule_offsets_kernel, (layout.tiles,), sorted_ranks, order, sorted_idx,
-               counts, scan, plan_out, readback, m, entries, layout.kernels_at, layout.segs_at,
-               layout.chunks, layout.tiles, V=v, WORDS=words, WORD_BITS=word_bits,
-               B0=layout.smallest, LEVELS=levels, FLAGS=num_flags, **SCHEDULE_LAUNCH)
+        launch_schedule(launch, sorted_ranks, order, sorted_idx, counts, scan, plan_out, readback,
+                        m, layout, v, words, word_bits, num_flags)
     # Scratch is dropped once the last launch that reads it is queued (the allocator reuses it
     # in stream order): before the host sync, its frees overlap the GPU's work.
     del ranks, sorted_ranks, order, counts
@@ -181,8 +211,7 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         # Input rows, then output rows from `room` on (16-byte aligned): one allocation.
         room = _aligned(pairs_total)
         pair_rows = torch.empty(2 * room, dtype=torch.int32, device=device)
-        launch(kernels.pairs_kernel, (row_blocks,), nmap, scan, pair_rows, room, seg, m, V=v,
-               SIGNAL=signal_offsets, **PAIRS_LAUNCH, V_CHUNK=pairs_v_chunk(signal_offsets))
+        launch_pairs(launch, nmap, scan, pair_rows, room, seg, m, v, signal_offsets)
         pairs = (pair_rows[:pairs_total], pair_rows[room:room + pairs_total], seg)
     gmap = None
     if levels:

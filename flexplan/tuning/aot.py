@@ -60,7 +60,7 @@ AOT_GEOMETRIES = (
 )
 AOT_VOLUMES = tuple(sorted({g.volume for g in AOT_GEOMETRIES}))  # 3, 8, 9, 27, 125
 # Volumes of submanifold plans (their grad-input reverses the forward map) and of the others
-# (grad-input runs the plan's backward map): ops.sparse_conv.dgrad_map.
+# (grad-input runs the plan's backward map): ops.conv.dgrad_map.
 SUBMANIFOLD_VOLUMES = frozenset(g.volume for g in AOT_GEOMETRIES if g.submanifold)
 STRIDED_VOLUMES = frozenset(g.volume for g in AOT_GEOMETRIES if not g.submanifold)
 # The dtypes convs run in ("tf32": float32 with TF32 allowed; float32 without: 3xTF32 on
@@ -142,7 +142,7 @@ def _conv_launches(hip, shared_memory, pairs, dtypes, volumes, rows, table_items
 
 
 def _as_launched(config: KernelConfig, algo: str) -> KernelConfig:
-    """The config as ops.sparse_conv launches it: a masked kernel takes the nearest row block
+    """The config as ops.conv launches it: a masked kernel takes the nearest row block
     the plan has a schedule for (plans have every PLAN_BLOCK_SIZES); one split or many compile
     alike."""
     if algo.startswith("masked") and config.block_m not in PLAN_BLOCK_SIZES:

@@ -15,7 +15,7 @@ import torch
 from ..geometry import ConvGeometry
 from ..kernel_configs import Problem
 # The ops' per-part launchers: the code a real call runs, config chosen by select_config.
-from ..ops.sparse_conv import dgrad_map, gather_gemm, resolve_algo, wgrad
+from ..ops.conv import dgrad_map, gather_gemm, resolve_algo, wgrad
 from ..planner import build_plan
 from ..workloads import sphere_shell
 

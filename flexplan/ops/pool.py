@@ -17,7 +17,8 @@ import torch
 from ..compile_boundary import opaque
 from ..device_guard import on_device_of
 from ..kernels_src.sparse_pool import sparse_pool_bwd_kernel, sparse_pool_fwd_kernel
-from ..launcher import cdiv, launch
+from ..launch_spec import FEATURE, FLOAT32, INT32, SIZE
+from ..launcher import launch
 from ..plan import ConvPlan
 
 POOL_MODES = ("max", "avg")
@@ -26,19 +27,30 @@ POOL_LAUNCH = dict(BLOCK_M=64, BLOCK_C=32, num_warps=4)
 POOL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def pool_forward_constexprs(mode: str, volume: int, write_arg: bool, dtype: torch.dtype,
-                            zero_floor: bool = False) -> dict:
-    """The constexprs of a forward launch (the AOT build enumerates the same)."""
-    return dict(V=volume, IS_MAX=mode == "max", ZERO_FLOOR=zero_floor and mode == "max",
-                WRITE_ARG=write_arg, FP64=dtype == torch.float64, **POOL_LAUNCH)
-
-
-def pool_backward_constexprs(mode: str, volume: int, dtype: torch.dtype) -> dict:
-    return dict(V=volume, IS_MAX=mode == "max", FP64=dtype == torch.float64, **POOL_LAUNCH)
-
+# ---------------------------------------------------------------- launch descriptions
+# Each launch written once (flexplan/launch_spec.py): the op launches through these, the AOT
+# build (flexplan/aot/variants.py) records them with example arguments.
 
 def _grid(rows: int, channels: int) -> tuple[int, int]:
-    return cdiv(rows, POOL_LAUNCH["BLOCK_M"]), cdiv(channels, POOL_LAUNCH["BLOCK_C"])
+    return -(-rows // POOL_LAUNCH["BLOCK_M"]), -(-channels // POOL_LAUNCH["BLOCK_C"])
+
+
+def launch_pool_forward(run, feats: FEATURE, nmap: INT32, out: FEATURE, arg: INT32,
+                        count: FLOAT32, rows: SIZE, channels: int, mode: str, volume: int,
+                        write_arg: bool, dtype: torch.dtype, zero_floor: bool) -> None:
+    """out [rows, channels] over the windows of nmap [rows, volume]; write_arg: also what the
+    backward reads (arg: max, count: avg). dtype: feats'."""
+    run(sparse_pool_fwd_kernel, _grid(rows, channels), feats, nmap, out, arg, count, rows,
+        channels, V=volume, IS_MAX=mode == "max", ZERO_FLOOR=zero_floor and mode == "max",
+        WRITE_ARG=write_arg, FP64=dtype == torch.float64, **POOL_LAUNCH)
+
+
+def launch_pool_backward(run, grad_out: FEATURE, bmap: INT32, arg: INT32, count: FLOAT32,
+                         grad_in: FEATURE, rows: SIZE, channels: int, mode: str, volume: int,
+                         dtype: torch.dtype) -> None:
+    """grad_in [rows, channels] through bmap [rows, volume]. dtype: grad_out's."""
+    run(sparse_pool_bwd_kernel, _grid(rows, channels), grad_out, bmap, arg, count, grad_in, rows,
+        channels, V=volume, IS_MAX=mode == "max", FP64=dtype == torch.float64, **POOL_LAUNCH)
 
 
 class SparsePoolFunction(torch.autograd.Function):
@@ -56,10 +68,8 @@ class SparsePoolFunction(torch.autograd.Function):
                             dtype=torch.float32, device=feats.device)
         if n_out and channels:
             # (the kernels index the maps as [rows, V] rows: contiguous)
-            launch(sparse_pool_fwd_kernel, _grid(n_out, channels), feats,
-                   plan.fwd.neighbor_map.contiguous(),
-                   out, arg, count, n_out, channels,
-                   **pool_forward_constexprs(mode, volume, write_arg, feats.dtype, zero_floor))
+            launch_pool_forward(launch, feats, plan.fwd.neighbor_map.contiguous(), out, arg, count,
+                                n_out, channels, mode, volume, write_arg, feats.dtype, zero_floor)
         ctx.plan, ctx.mode, ctx.num_in = plan, mode, feats.shape[0]
         ctx.save_for_backward(arg, count)
         return out
@@ -80,9 +90,8 @@ class SparsePoolFunction(torch.autograd.Function):
         bmap = (plan.fwd if plan.bwd is None else plan.bwd).neighbor_map.contiguous()
         grad_in = grad_out.new_empty((ctx.num_in, channels))
         if ctx.num_in and channels:
-            launch(sparse_pool_bwd_kernel, _grid(ctx.num_in, channels), grad_out, bmap, arg,
-                   count, grad_in, ctx.num_in, channels,
-                   **pool_backward_constexprs(mode, plan.geometry.volume, grad_out.dtype))
+            launch_pool_backward(launch, grad_out, bmap, arg, count, grad_in, ctx.num_in, channels,
+                                 mode, plan.geometry.volume, grad_out.dtype)
         return grad_in, None, None, None
 
 

@@ -16,6 +16,7 @@ algorithms); "explicit" multiplies its im2col blocks on the vendor matmul.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import replace
 
 import torch
@@ -29,6 +30,7 @@ from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM,
 from ..kernels_src.conv_gather_gemm import conv_gather_gemm_kernel
 from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
 from ..kernels_src.conv_wgrad import conv_wgrad_kernel
+from ..launch_spec import FEATURE, INT32, OUTPUT, SIZE
 from ..launcher import cdiv, launch
 from ..plan import MISSING, ConvPlan, GatherMap
 # From dispatch, not the flexplan.tuning package: that package also wires in the run-time
@@ -60,10 +62,14 @@ def _block_for(gmap: GatherMap, block_m: int) -> int:
     return min(sizes, key=lambda b: (abs(b - block_m), b))
 
 
-# ---------------------------------------------------------------- launch constexprs
-# The one place the constexprs of each launch are spelled: the ops and the AOT build
-# (which precompiles exactly these variants) both take them from here.
+# ---------------------------------------------------------------- launch descriptions
+# The one place each launch of this module is written (flexplan/launch_spec.py): the ops below
+# launch through these, the AOT build (flexplan/aot/variants.py) records the same functions with
+# example arguments, and the tuner takes the constexprs from the *_constexprs functions.
 
+# Memoized: a launch looks its constexprs up instead of building two dicts (host time per call;
+# a process sees a few hundred combinations at most). The dicts are shared: read, never modify.
+@functools.lru_cache(maxsize=1024)
 def gather_gemm_constexprs(cfg: KernelConfig, masked: bool, reverse: bool, has_bias: bool,
                            dtype: str, hip: bool) -> dict:
     """dtype: the Problem's (DTYPES); hip: compiled for a ROCm backend."""
@@ -71,8 +77,45 @@ def gather_gemm_constexprs(cfg: KernelConfig, masked: bool, reverse: bool, has_b
                 PRECISION=dot_precision(dtype, hip), CHUNK=SCHEDULE_CHUNK)
 
 
+@functools.lru_cache(maxsize=1024)
 def wgrad_constexprs(cfg: KernelConfig, dtype: str, hip: bool) -> dict:
     return dict(cfg.launch_kwargs(), PRECISION=dot_precision(dtype, hip))
+
+
+def launch_gather_gemm(run, src: FEATURE, weight: FEATURE, bias: FEATURE, sorted_map_t: INT32,
+                       sorted_idx: INT32, chunk_order: INT32, valid_kernel: INT32,
+                       valid_kernel_seg: INT32, out: OUTPUT, m: SIZE, k: int, n: int, v: int,
+                       cfg: KernelConfig, masked: bool, reverse: bool, has_bias: bool,
+                       dtype: str, hip: bool) -> None:
+    """out[m, n] (or its split-K partials) = sum_v src[map[m, v]] @ W_v over a map's m rows;
+    weight read as [n, v, k]; bias read only with has_bias."""
+    run(conv_gather_gemm_kernel, (-(-m // cfg.block_m) * -(-n // cfg.block_n), cfg.splitk),
+        src, weight, bias, sorted_map_t, sorted_idx, chunk_order, valid_kernel, valid_kernel_seg,
+        out, m, k, n, v, **gather_gemm_constexprs(cfg, masked, reverse, has_bias, dtype, hip))
+
+
+def launch_wgrad(run, grad_out: FEATURE, src: FEATURE, pair_out: INT32, pair_in: INT32,
+                 pair_seg: INT32, out: OUTPUT, co: int, ci: int, v: int, signal_offsets: int,
+                 cfg: KernelConfig, dtype: str, hip: bool) -> None:
+    """out[co, v, ci] (or its split-K partials) over the plan's per-offset pairs."""
+    run(conv_wgrad_kernel, (-(-co // cfg.block_m) * -(-ci // cfg.block_n), v, cfg.splitk),
+        grad_out, src, pair_out, pair_in, pair_seg, out, co, ci, v, signal_offsets,
+        **wgrad_constexprs(cfg, dtype, hip))
+
+
+def launch_im2col(run, src: FEATURE, nmap: INT32, out: FEATURE, row_start: SIZE, rows: SIZE,
+                  k: int, v: int) -> None:
+    """Offset-major columns (v * K + k) of `rows` map rows from row_start."""
+    run(im2col_kernel, (-(-rows // IM2COL_BLOCK_M), v), src, nmap, out, row_start, rows, k, v,
+        BLOCK_M=IM2COL_BLOCK_M, BLOCK_K=IM2COL_BLOCK_K)
+
+
+def launch_im2col_channel_major(run, src: FEATURE, nmap: INT32, out: FEATURE, row_start: SIZE,
+                                rows: SIZE, k: int, v: int, reverse: bool) -> None:
+    """Channel-major columns (k * V + v); reverse: offset v gathers through map column V-1-v."""
+    block_m, block_k, v_pad = im2col_channel_major_blocks(v)
+    run(im2col_channel_major_kernel, (-(-rows // block_m), -(-k // block_k)), src, nmap, out,
+        row_start, rows, k, v, REVERSE_V=reverse, BLOCK_M=block_m, BLOCK_K=block_k, V_PAD=v_pad)
 
 
 # ---------------------------------------------------------------- gather-GEMM (fwd, dgrad)
@@ -116,12 +159,9 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     dest = torch.empty((cfg.splitk, m, n), dtype=acc_dtype, device=src.device) if split else out
     has_bias = bias is not None and not split
 
-    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), cfg.splitk)
-    launch(conv_gather_gemm_kernel, grid,
-           src, w_nvk, bias if has_bias else w_nvk, gmap.sorted_map_t, gmap.sorted_idx,
-           gmap.chunk_order, valid_kernel, valid_kernel_seg,
-           dest, m, k, n, v, **gather_gemm_constexprs(cfg, masked, reverse, has_bias,
-                                                      dtype, hip))
+    launch_gather_gemm(launch, src, w_nvk, bias if has_bias else w_nvk, gmap.sorted_map_t,
+                       gmap.sorted_idx, gmap.chunk_order, valid_kernel, valid_kernel_seg, dest,
+                       m, k, n, v, cfg, masked, reverse, has_bias, dtype, hip)
     if split:
         total = dest.sum(0)
         if bias is not None:
@@ -146,14 +186,10 @@ def _im2col_chunks(src, nmap, reverse: bool = False, channel_major: bool = False
         count = min(rows, m - start)
         cols = src.new_empty((count, v * k))
         if channel_major:
-            block_m, block_k, v_pad = im2col_channel_major_blocks(v)
-            launch(im2col_channel_major_kernel, (cdiv(count, block_m), cdiv(k, block_k)), src, nmap,
-                   cols, start, count, k, v, REVERSE_V=reverse, BLOCK_M=block_m, BLOCK_K=block_k,
-                   V_PAD=v_pad)
+            launch_im2col_channel_major(launch, src, nmap, cols, start, count, k, v, reverse)
         else:
             assert not reverse, "offset-major im2col reads the map's columns in order"
-            launch(im2col_kernel, (cdiv(count, IM2COL_BLOCK_M), v), src, nmap, cols, start, count,
-                   k, v, BLOCK_M=IM2COL_BLOCK_M, BLOCK_K=IM2COL_BLOCK_K)
+            launch_im2col(launch, src, nmap, cols, start, count, k, v)
         yield start, cols
 
 
@@ -193,10 +229,8 @@ def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bo
     else:
         dest = src.new_empty((co, v, ci))
 
-    grid = (cdiv(co, cfg.block_m) * cdiv(ci, cfg.block_n), v, cfg.splitk)
-    launch(conv_wgrad_kernel, grid,
-           grad_out, src, plan.valid_signal_o, plan.valid_signal_i, plan.valid_signal_seg, dest,
-           co, ci, v, plan.signal_offsets, **wgrad_constexprs(cfg, dtype, hip))
+    launch_wgrad(launch, grad_out, src, plan.valid_signal_o, plan.valid_signal_i,
+                 plan.valid_signal_seg, dest, co, ci, v, plan.signal_offsets, cfg, dtype, hip)
     return dest.sum(0).to(src.dtype) if cfg.splitk > 1 else dest
 
 

@@ -84,6 +84,27 @@ def dot_precision(dtype: str, hip: bool) -> str:
     return "ieee"
 
 
+# ROCm GPUs whose dot takes TF32 inputs in Triton (CDNA3's XF32); the others (gfx90a, RDNA)
+# refuse input_precision="tf32" at compile time, so float32 with TF32 allowed runs exact there.
+HIP_TF32_ARCHS = ("gfx942",)
+
+
+def has_tf32(hip: bool, arch: str | None) -> bool:
+    """Can a GPU of this backend and arch ("gfx90a"; NVIDIA: any, all from sm_80 have TF32) run
+    tf32 dots? An unknown ROCm arch (None) is taken as one without."""
+    return not hip or (arch or "").split(":")[0] in HIP_TF32_ARCHS
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_has_tf32(device_index: int) -> bool:
+    """has_tf32 of this process's GPU of that index (its gcnArchName on ROCm)."""
+    if not runtime_is_hip():
+        return True
+    import torch
+
+    return has_tf32(True, torch.cuda.get_device_properties(device_index).gcnArchName)
+
+
 def config_dtype(dtype: str, hip: bool) -> str:
     """The dtype whose configs (tables, heuristic, algorithm choice) a problem of `dtype` runs:
     float32 on NVIDIA multiplies on tensor cores (3xTF32, dot_precision) as tf32 does, so it

@@ -269,3 +269,38 @@ def test_build_summary_counts_binaries_megabytes_and_time(tmp_path):
     assert line.startswith("aot: 3 binaries (gfx942 1, sm_90 2), 1.0 MB, 61 s; Triton 3.9.0"), line
     lines = failure_lines(manifest_of(tmp_path))
     assert "does not compile: OutOfResources" in lines[0] and lines[-1].startswith("aot: 1 variants")
+
+
+def test_tf32_only_where_the_gpu_has_it(monkeypatch):
+    """gfx90a and RDNA have no TF32 dot (Triton refuses input_precision="tf32" there): the AOT
+    set builds no tf32 variant for them, and a float32 call with TF32 allowed runs exact on
+    them, as dispatch would pick it."""
+    import torch
+
+    from flexplan import kernel_configs
+    from flexplan.ops import conv as conv_ops
+    from flexplan.tuning.aot import conv_launches
+
+    assert kernel_configs.has_tf32(False, "sm_80") and kernel_configs.has_tf32(True, "gfx942")
+    assert not kernel_configs.has_tf32(True, "gfx90a:sramecc+:xnack-")
+    assert not kernel_configs.has_tf32(True, "gfx1100") and not kernel_configs.has_tf32(True, None)
+    pairs = [(16, 16)]
+    for target, has in (("gfx942", True), ("gfx90a", False), ("gfx1100", False)):
+        dtypes = {launch.dtype for launch in conv_launches(target, True, 65536, pairs)}
+        assert ("tf32" in dtypes) == has, target
+        assert "float32" in dtypes
+    assert "tf32" in {launch.dtype for launch in conv_launches("sm_90", False, 232448, pairs)}
+    # the runtime's choice on a GPU of each kind (the device index's arch, faked)
+    cuda0 = torch.device("cuda", 0)
+    for hip, arch, want in ((True, "gfx90a:sramecc+", "float32"), (True, "gfx942", "tf32"),
+                            (False, None, "tf32")):
+        monkeypatch.setattr(conv_ops, "runtime_has_tf32", lambda index: has_tf32_of(hip, arch))
+        assert conv_ops._dtype_name(torch.float32, True, cuda0) == want
+        assert conv_ops._dtype_name(torch.float32, False, cuda0) == "float32"
+        assert conv_ops._dtype_name(torch.float16, True, cuda0) == "float16"
+
+
+def has_tf32_of(hip, arch):
+    from flexplan.kernel_configs import has_tf32
+
+    return has_tf32(hip, arch)

@@ -26,7 +26,8 @@ from ..device_guard import on_device_of
 from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, IM2COL_BLOCK_K,
                               IM2COL_BLOCK_M, SCHEDULE_CHUNK, WGRAD, KernelConfig, Problem,
                               choose_algo, config_dtype, dot_precision,
-                              im2col_channel_major_blocks, precision_config, runtime_is_hip)
+                              im2col_channel_major_blocks, precision_config, runtime_has_tf32,
+                              runtime_is_hip)
 from ..kernels_src.conv_gather_gemm import conv_gather_gemm_kernel
 from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
 from ..kernels_src.conv_wgrad import conv_wgrad_kernel
@@ -40,8 +41,11 @@ from ..tuning.dispatch import select_config
 AUTO = "auto"
 
 
-def _dtype_name(dtype: torch.dtype, allow_tf32: bool) -> str:
-    if dtype == torch.float32 and allow_tf32:
+def _dtype_name(dtype: torch.dtype, allow_tf32: bool, device: torch.device | None = None) -> str:
+    """The Problem dtype of a call: float32 with TF32 allowed is "tf32" where the GPU has TF32
+    dots (kernel_configs.has_tf32), else exact float32, as torch's own matmuls on such GPUs."""
+    if dtype == torch.float32 and allow_tf32 and (
+            device is None or device.type != "cuda" or runtime_has_tf32(device.index or 0)):
         return "tf32"
     return str(dtype).removeprefix("torch.")
 
@@ -139,7 +143,7 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     if algo == "explicit":
         return _explicit_gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
     out = src.new_empty((m, n))
-    dtype, hip = _dtype_name(src.dtype, allow_tf32), runtime_is_hip()
+    dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()
     problem = Problem(m, ci, co, v, config_dtype(dtype, hip), algo, part)
     cfg = select_config(GATHER_GEMM, problem)
     masked = algo.startswith("masked")
@@ -220,7 +224,7 @@ def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bo
     pairs = plan.num_pairs
     if algo == "explicit" or pairs == 0:
         return _explicit_wgrad(grad_out, src, plan, weight_shape)
-    dtype, hip = _dtype_name(src.dtype, allow_tf32), runtime_is_hip()
+    dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()
     problem = Problem(pairs, ci, co, v, config_dtype(dtype, hip), algo, "wgrad")
     cfg = precision_config(select_config(WGRAD, problem), WGRAD, dtype, hip)
     acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
@@ -257,7 +261,7 @@ def conv_forward(feats, weight, bias, plan: ConvPlan, algo: str, allow_tf32: boo
     """The forward of SparseConvFunction (weight [Co, V, Ci], tensors contiguous)."""
     co, v, ci = weight.shape
     fwd_algo = resolve_algo(algo, "fwd", plan.num_out, ci, co, v,
-                            _dtype_name(feats.dtype, allow_tf32))
+                            _dtype_name(feats.dtype, allow_tf32, feats.device))
     return gather_gemm(feats, weight, bias, plan.fwd, False, "fwd", fwd_algo, allow_tf32)
 
 
@@ -278,7 +282,7 @@ class SparseConvFunction(torch.autograd.Function):
                                "training=False, e.g. under torch.no_grad), which has no backward "
                                "parts: build the plan with training=True to differentiate")
         co, v, ci = weight.shape
-        dtype = _dtype_name(feats.dtype, allow_tf32)
+        dtype = _dtype_name(feats.dtype, allow_tf32, feats.device)
         grad_out = grad_out.contiguous()
         grad_feats = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from ..geometry import ConvGeometry
 from ..kernel_configs import (ALGORITHMS, FAMILIES, PARTS, PLAN_BLOCK_SIZES, WGRAD, KernelConfig,
-                              Problem, choose_algo, config_dtype, precision_config)
+                              Problem, choose_algo, config_dtype, has_tf32, precision_config)
 from .dispatch import config_from
 from .table import TableError, read_table, shipped_table_paths
 
@@ -111,6 +111,8 @@ def conv_launches(arch: str | None, hip: bool, shared_memory: int | None,
     Deduplicated, in a stable order (dtypes, parts, channels, volumes)."""
     if tables is None:
         tables = target_tables(arch)
+    if not has_tf32(hip, arch):  # dispatch runs such a GPU's TF32 requests exact (ops/conv.py)
+        dtypes = tuple(d for d in dtypes if d != "tf32")
     pairs = tuple(channel_pairs) if channel_pairs is not None else default_channel_pairs()
     return _conv_launches(hip, shared_memory, pairs, tuple(dtypes), tuple(volumes), tuple(rows),
                           tuple(sorted(tables.items(), key=lambda item: item[0].key)), tuple(algos))

@@ -2,7 +2,7 @@
 
 A launch description is a plain function next to the code that launches its kernel (ops/conv.py,
 ops/pool.py, planner/hashmap.py, planner/segments_triton.py, planner/generative_triton.py,
-coords_hash.py, plan.py's views, cache/format.py's load check):
+coords_hash.py, plan.py's views, cache/format.py's load check, nn/sync_batchnorm.py's statistics):
 
     def launch_<name>(run, <the kernel's runtime arguments, in its order, each annotated with
                       its kind below>, <what the constexprs and the grid derive from>) -> None:

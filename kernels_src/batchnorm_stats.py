@@ -1,5 +1,5 @@
-"""The two statistics kernels of flexplan.nn.sync_batchnorm's CUDA path (opt-in there:
-FLEXPLAN_SYNC_BN_KERNELS=1), around its one all_reduce: pack a rank's sums, then turn the
+"""The two statistics kernels of flexplan.nn.sync_batchnorm's CUDA path (the default on NVIDIA
+GPUs; FLEXPLAN_SYNC_BN_KERNELS=0 turns it off), around its one all_reduce: pack a rank's sums, then turn the
 all-reduced sums into mean / invstd and update the running statistics. float64 throughout:
 the global variance is E[x^2] - mean^2 (see that module)."""
 import triton

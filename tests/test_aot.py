@@ -202,7 +202,8 @@ def test_manifest_of_another_triton_is_refused(probe):
 
 def test_registry_reproduces_the_ops_launches(monkeypatch):
     """Record every launch of plan builds (submanifold, strided, the coordinate hash), of the
-    plan-file load check, and of a small SubMConv3d forward + backward, and check the registry lists each one's exact
+    plan-file load check, of a small SubMConv3d forward + backward, of pooling and of
+    SyncBatchNorm's statistics kernels, and check the registry lists each one's exact
     specialization (Triton's binder for sm_90 on both sides: argument types, the classes of the
     ints and pointers it specializes, constexprs, launch options). Sizes are not specialized,
     so this tiny problem's launches are the registry's."""
@@ -244,7 +245,7 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
 
     for name in ("flexplan.ops.conv", "flexplan.ops.pool", "flexplan.planner.hashmap",
                  "flexplan.planner.segments_triton", "flexplan.planner.generative_triton",
-                 "flexplan.coords_hash"):
+                 "flexplan.coords_hash", "flexplan.nn.sync_batchnorm"):
         monkeypatch.setattr(importlib.import_module(name), "launch", recording_launch)
     monkeypatch.setattr(launcher, "launch", recording_launch)  # the plan views import it late
     monkeypatch.setattr(importlib.import_module("flexplan.plan"), "CHUNK_ORDER_MIN_ROWS", 0)
@@ -270,6 +271,23 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
             sparse_pool(x.feats, pool_plan, mode).float().sum().backward()
             with torch.no_grad():
                 sparse_pool(x.feats, pool_plan, mode)
+    # SyncBatchNorm's CUDA path (its forward's pack_sums / finalize_sums; CPU inputs take torch
+    # ops, and torch.batch_norm_stats is CUDA-only, so called here as that forward calls them):
+    # statistics of 16-bit / fp32 inputs (float32) and of fp64 ones, the module's running
+    # statistics in each dtype a model has them; by momentum, cumulative, none tracked.
+    from flexplan.nn import sync_batchnorm as sbn
+
+    for sd, running in ((torch.float32, torch.float32), (torch.float32, torch.float16),
+                        (torch.float32, torch.bfloat16), (torch.float64, torch.float64)):
+        feats = torch.randn(len(coords), 16, generator=gen, dtype=sd)
+        var, mean = torch.var_mean(feats, 0, correction=0)
+        packed = sbn.pack_sums(mean, var.rsqrt(), len(coords))  # batch_norm_stats' (sd)
+        bn = sbn.SyncBatchNorm(16, dtype=running)
+        bn.num_batches_tracked.add_(1)  # (as its forward does before)
+        for momentum in (0.1, None):
+            sbn.finalize_sums(packed, sd, bn.eps, momentum, bn.num_batches_tracked,
+                              bn.running_mean, bn.running_var)
+        sbn.finalize_sums(packed, sd, bn.eps, 0.1, None, None, None)  # track_running_stats=False
     kernels = {k.split(":")[1] for k in KERNELS.values()}
     assert {s[0] for s in seen} == kernels  # every kernel of the registry, nothing else
     for call in seen:

@@ -12,11 +12,11 @@ target (conv_launches: "auto"'s algorithm, the target's tuned table else the heu
 target's shared memory). How each of those is launched is written once too, in the launch
 descriptions next to the launching code (flexplan/launch_spec.py: ops/conv.py, ops/pool.py,
 planner/hashmap.py, planner/segments_triton.py, planner/generative_triton.py, coords_hash.py,
-plan.py's views, cache/format.py's check): this module only says which launches to build and
-`record`s each through its description, with example arguments, as the runtime calls it. No
-argument list is written here. tests/test_aot.py records the real ops' launches and checks the
-registry reproduces them, tests/test_aot_lean.py checks the conv variants against what dispatch
-returns.
+plan.py's views, cache/format.py's check, nn/sync_batchnorm.py): this module only says which
+launches to build and `record`s each through its description, with example arguments, as the
+runtime calls it. No argument list is written here. tests/test_aot.py records the real ops'
+launches and checks the registry reproduces them, tests/test_aot_lean.py checks the conv
+variants against what dispatch returns.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from ..kernel_configs import GATHER_GEMM, PLAN_BLOCK_SIZES, WGRAD
 from ..launch_spec import Size, Tensor
 from ..launcher import NOT_SPECIALIZED, SPECIALIZED, arg_specialization, jit_function
 from ..plan import mirrored_signal_offsets
-from ..tuning.aot import (AOT_DTYPES, AOT_GEOMETRIES, STRIDED_VOLUMES, SUBMANIFOLD_VOLUMES,
-                          ConvLaunch, conv_launches)
+from ..tuning.aot import (AOT_DTYPES, AOT_GEOMETRIES, AOT_WIDTHS, STRIDED_VOLUMES,
+                          SUBMANIFOLD_VOLUMES, ConvLaunch, conv_launches)
 from .keys import TARGET_SHARED_MEMORY, TARGETS
 
 # Example value of the ints no kernel specializes on (rows, grid extents, counts, places; the
@@ -59,6 +59,7 @@ VIEW_KERNELS = ("sorted_map_t", "chunk_order")
 PLAN_CHECK = "plan_bounds"
 IM2COL, IM2COL_CHANNEL_MAJOR = "im2col", "im2col_channel_major"
 POOL_FWD, POOL_BWD = "sparse_pool_fwd", "sparse_pool_bwd"
+BN_PACK, BN_FINALIZE = "batchnorm_pack", "batchnorm_finalize"
 # Kernels: short name -> "module:attribute" in KERNEL_PACKAGE.
 KERNELS = {
     GATHER_GEMM: "conv_gather_gemm:conv_gather_gemm_kernel",
@@ -74,6 +75,8 @@ KERNELS = {
     IM2COL_CHANNEL_MAJOR: "conv_im2col:im2col_channel_major_kernel",
     POOL_FWD: "sparse_pool:sparse_pool_fwd_kernel",
     POOL_BWD: "sparse_pool:sparse_pool_bwd_kernel",
+    BN_PACK: "batchnorm_stats:pack_kernel",
+    BN_FINALIZE: "batchnorm_stats:finalize_kernel",
 }
 _SHORT_NAMES = {where: name for name, where in KERNELS.items()}
 
@@ -356,6 +359,29 @@ def pool_variants() -> Iterator[Variant]:
                      dtype=torch_dtype)
 
 
+# The running statistics' dtype per statistics dtype (nn.sync_batchnorm._stats_dtype: float32 for
+# 16-bit and float32 inputs, float64 for float64): the module's, i.e. float32 (an fp32 model,
+# also under autocast), float16 / bfloat16 (model.half() / .bfloat16()); float64 for float64.
+BN_RUNNING_DTYPES = {"float32": ("float32", "float16", "bfloat16"), "float64": ("float64",)}
+
+
+def batchnorm_variants() -> Iterator[Variant]:
+    """The launches of nn.sync_batchnorm's CUDA path (its statistics kernels around the
+    all_reduce), for channel counts of the covered widths' int classes (others JIT-compile):
+    the rank's sums; the global statistics without running statistics (track_running_stats
+    False), with them by momentum and by the cumulative average (momentum None)."""
+    from ..nn.sync_batchnorm import launch_finalize, launch_pack
+
+    classes = sorted({_int_example(c, SPECIALIZED) for c in AOT_WIDTHS})
+    for (stats, runnings), channels in itertools.product(BN_RUNNING_DTYPES.items(), classes):
+        yield record(launch_pack, dict(stats=stats), channels=channels)
+        yield record(launch_finalize, dict(stats=stats), running_mean=None, running_var=None,
+                     channels=channels, track=False, cumulative=False)
+        for running, cumulative in itertools.product(runnings, (False, True)):
+            yield record(launch_finalize, dict(stats=stats, running=running), channels=channels,
+                         track=True, cumulative=cumulative)
+
+
 _VARIANTS_OF = {GATHER_GEMM: gather_gemm_variants, WGRAD: wgrad_variants}
 
 
@@ -393,7 +419,7 @@ def enumerate_variants(kernel_filter: str | None = None, channels: Iterable[int]
     seen: dict[Variant, None] = {}
     for variant in itertools.chain(planner_variants(), segment_variants(), generative_variants(),
                                    view_variants(), check_variants(), im2col_variants(),
-                                   pool_variants()):
+                                   pool_variants(), batchnorm_variants()):
         if not kernel_filter or kernel_filter in variant.kernel:
             seen.setdefault(variant, None)
     if not kernel_filter or any(kernel_filter in family for family in _VARIANTS_OF):

@@ -54,7 +54,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..device_guard import on_device_of
 from ..kernels_src import batchnorm_stats as kernels
-from ..launcher import cdiv, launch
+from ..launch_spec import INT32, INT64, SIZE, Tensor
+from ..launcher import launch
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
@@ -97,12 +98,38 @@ def _consts(device: torch.device, eps: float, momentum: float) -> torch.Tensor:
     return consts
 
 
+# Launch descriptions (flexplan/launch_spec.py): the kernel path launches through these, the AOT
+# build (flexplan/aot/variants.py) records them with example arguments.
+FLOAT64 = Tensor("float64")  # the packed sums and [eps, momentum]
+STATS = Tensor("stats")  # batch_norm_stats' mean / invstd and ours: _stats_dtype of the input
+RUNNING = Tensor("running")  # running_mean / running_var: the module's buffers' dtype
+
+
+def launch_pack(run, mean: STATS, invstd: STATS, out: FLOAT64, channels: int,
+                rows: SIZE) -> None:
+    """out [2C + 1] = the sums of one rank's `rows` rows from its mean and invstd [C]."""
+    run(kernels.pack_kernel, (-(-channels // _BLOCK),), mean, invstd, out, channels, rows,
+        BLOCK=_BLOCK)
+
+
+def launch_finalize(run, packed: FLOAT64, consts: FLOAT64, num_batches_tracked: INT64,
+                    stats: STATS, count: INT32, running_mean: RUNNING, running_var: RUNNING,
+                    channels: int, track: bool, cumulative: bool) -> None:
+    """stats [2, C] and count [1] from the all-reduced sums; track: also the running statistics,
+    weighted by 1 / num_batches_tracked with cumulative, else by consts' momentum. The kernel
+    reads no pointer its flags turn off: those take `packed` / `stats` (any tensor would do,
+    these keep their dtypes fixed per specialization)."""
+    run(kernels.finalize_kernel, (-(-channels // _BLOCK),), packed, consts,
+        num_batches_tracked if cumulative else packed, stats, count,
+        running_mean if track else stats, running_var if track else stats, channels,
+        TRACK=track, CUMULATIVE=cumulative, BLOCK=_BLOCK)
+
+
 def pack_sums(mean: torch.Tensor, invstd: torch.Tensor, rows: int) -> torch.Tensor:
     """The kernel path's [rows * mean, rows * (var + mean^2), rows], float64 (see kernels.pack_kernel)."""
     channels = mean.shape[0]
     packed = torch.empty(2 * channels + 1, dtype=torch.float64, device=mean.device)
-    launch(kernels.pack_kernel, (cdiv(channels, _BLOCK),), mean, invstd, packed, channels, rows,
-           BLOCK=_BLOCK)
+    launch_pack(launch, mean, invstd, packed, channels, rows)
     return packed
 
 
@@ -114,12 +141,9 @@ def finalize_sums(packed: torch.Tensor, stats_dtype: torch.dtype, eps: float, mo
     stats = torch.empty(2, channels, dtype=stats_dtype, device=packed.device)
     count = torch.empty(1, dtype=torch.int32, device=packed.device)
     track = running_mean is not None
-    cumulative = track and momentum is None
     consts = _consts(packed.device, float(eps), 0.0 if momentum is None else float(momentum))
-    launch(kernels.finalize_kernel, (cdiv(channels, _BLOCK),), packed, consts,
-           num_batches_tracked if cumulative else packed, stats, count,
-           running_mean if track else stats, running_var if track else stats, channels,
-           TRACK=track, CUMULATIVE=cumulative, BLOCK=_BLOCK)
+    launch_finalize(launch, packed, consts, num_batches_tracked, stats, count, running_mean,
+                    running_var, channels, track, track and momentum is None)
     return stats, count
 
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass, replace
 # Row-block sizes of the masked implicit GEMM kernels. The planner builds valid_kernel /
 # valid_kernel_seg for each, so every masked-kernel config must take its BLOCK_M from here.
 PLAN_BLOCK_SIZES = (16, 32, 64, 128)
-# The gather kernels run the sorted rows in chunks of this many (GatherMap.chunk_order); every
+# The gather kernels run the sorted rows in chunks of this many (plan_views.chunk_order); every
 # row block size of a kernel config divides it.
 SCHEDULE_CHUNK = max(PLAN_BLOCK_SIZES)
-# Maps of fewer rows run their chunks in the Gray order itself (GatherMap.chunk_order then
+# Maps of fewer rows run their chunks in the Gray order itself (plan_views.chunk_order then
 # costs no launch): the spatial chunk order pays in L2 reuse on big maps (scripts/bench_submconv.py;
 # scripts/results/design_measurements.md), not at LiDAR sizes (scripts/results/chunk_order.md),
 # where a step with new coordinates is host-bound.

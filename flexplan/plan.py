@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Optional
 
 import torch
 
 from .geometry import ConvGeometry
-from .kernel_configs import CHUNK_ORDER_MIN_ROWS, SCHEDULE_CHUNK
+from .kernel_configs import SCHEDULE_CHUNK
 from .launch_spec import INT32, SIZE
 
 # Bump whenever a field's meaning or layout changes: the plan cache keys on it.
@@ -101,7 +101,8 @@ def _read_only(mapping: Mapping) -> Mapping:
     return mapping if isinstance(mapping, BlockRuns) else MappingProxyType(dict(mapping))
 
 
-# GatherMap's derived views. Each is one Triton launch (kernels_src/plan_views.py) where the
+# GatherMap's derived views (derived and kept by flexplan/plan_views.py; this module only
+# describes them). Each is one Triton launch (kernels_src/plan_views.py) where the
 # launcher can run kernels (CUDA tensors, or any under TRITON_INTERPRET=1), else the torch
 # expression, which is also the kernels' oracle. A plan derives them once per map, every step
 # for a job with new coordinates, and those steps are host-bound: the torch expressions take 3
@@ -129,18 +130,6 @@ def chunk_order_torch(sorted_idx: torch.Tensor, chunk: int = SCHEDULE_CHUNK) -> 
     return order
 
 
-def gray_chunk_order(m: int, device: torch.device) -> torch.Tensor:
-    """int32 [ceil(m / SCHEDULE_CHUNK)]: 0, 1, 2, ... (chunks in Gray order, a partial last
-    chunk last), a view of one arange kept per device: no launch, no allocation."""
-    chunks = -(-m // SCHEDULE_CHUNK)
-    return _aranges(torch.device(device), CHUNK_ORDER_MIN_ROWS // SCHEDULE_CHUNK + 1)[:chunks]
-
-
-@functools.lru_cache(maxsize=None)
-def _aranges(device: torch.device, n: int) -> torch.Tensor:
-    return torch.arange(n, dtype=torch.int32, device=device)
-
-
 def _kernels():
     from .kernels_src import plan_views
 
@@ -157,8 +146,9 @@ def kernels_run_on(t: torch.Tensor) -> bool:
     return not isinstance(_kernels().sorted_map_t_kernel, JITFunction)
 
 
-# The views' launch descriptions: each launch written once (flexplan/launch_spec.py), for the
-# views below and the AOT build (flexplan/aot/variants.py), which records them.
+# The views' launch descriptions: each launch written once (flexplan/launch_spec.py), for
+# flexplan/plan_views.py, which launches them, and the AOT build (flexplan/aot/variants.py),
+# which records them.
 
 def launch_sorted_map_t(run, nmap: INT32, sorted_idx: INT32, out: INT32, m: SIZE,
                         v: SIZE) -> None:
@@ -174,29 +164,6 @@ def launch_chunk_order(run, sorted_idx: INT32, order: INT32, m: SIZE, chunk: int
         order, m, CHUNK=chunk, **CHUNK_ORDER_LAUNCH)
 
 
-def sorted_map_t_triton(neighbor_map: torch.Tensor, sorted_idx: torch.Tensor) -> torch.Tensor:
-    """sorted_map_t_torch in one launch."""
-    from . import launcher  # (its launch looked up per call: tests record launches there)
-
-    m, v = neighbor_map.shape
-    out = torch.empty((v, m), dtype=neighbor_map.dtype, device=neighbor_map.device)
-    if m:
-        launch_sorted_map_t(launcher.launch, neighbor_map.contiguous(), sorted_idx.contiguous(),
-                            out, m, v)
-    return out
-
-
-def chunk_order_triton(sorted_idx: torch.Tensor, chunk: int = SCHEDULE_CHUNK) -> torch.Tensor:
-    """chunk_order_torch in one launch."""
-    from . import launcher
-
-    m = sorted_idx.shape[0]
-    order = torch.empty(-(-m // chunk), dtype=torch.int32, device=sorted_idx.device)
-    if m:
-        launch_chunk_order(launcher.launch, sorted_idx.contiguous(), order, m, chunk)
-    return order
-
-
 @dataclass(frozen=True)
 class GatherMap:
     """Rows of one side gather rows of the other side, one column per kernel offset.
@@ -208,12 +175,19 @@ class GatherMap:
     valid_kernel_seg: block size -> int32 [ceil(M / B) + 1]; block i owns
                       valid_kernel[seg[i]:seg[i + 1]].
     Both mappings are read-only (BlockRuns, or proxies of the dicts given).
+
+    derived_views:    name -> tensor: the views the kernels read, derived from the fields above
+                      ("sorted_map_t" [V, M], "chunk_order"), kept with this map object once
+                      made. The map never fills it itself (it is a passive value):
+                      flexplan/plan_views.py derives each view on first use and keeps it here.
+                      Not written to plan files, not pickled, not carried by map_tensors / to().
     """
 
     neighbor_map: torch.Tensor
     sorted_idx: torch.Tensor
     valid_kernel: Mapping[int, torch.Tensor]
     valid_kernel_seg: Mapping[int, torch.Tensor]
+    derived_views: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "valid_kernel", _read_only(self.valid_kernel))
@@ -222,37 +196,6 @@ class GatherMap:
     @property
     def num_rows(self) -> int:
         return self.neighbor_map.shape[0]
-
-    @functools.cached_property
-    def sorted_map_t(self) -> torch.Tensor:
-        """int32 [V, M]: entry (v, i) is neighbor_map[sorted_idx[i], v], the layout the gather
-        kernels read (one offset's neighbours of a block of sorted rows are contiguous).
-        Derived on first use (one launch: sorted_map_t_triton) and kept with the plan object,
-        not written to plan files."""
-        nmap, idx = self.neighbor_map, self.sorted_idx
-        if kernels_run_on(nmap):
-            return sorted_map_t_triton(nmap, idx)
-        return sorted_map_t_torch(nmap, idx)
-
-    @functools.cached_property
-    def chunk_order(self) -> torch.Tensor:
-        """int32 [ceil(M / SCHEDULE_CHUNK)]: the order in which the gather kernels run the chunks
-        of SCHEDULE_CHUNK sorted rows (every block size of the plan tiles them): whole chunks by
-        ascending first row, a partial last chunk last.
-
-        Blocks stay as the Gray order formed them, but the GPU runs chunks of nearby rows at the
-        same time: rows come in spatial order from voxelization, sorted coords and strided plans
-        (torch.unique), so their neighbours are shared and stay in L2 (the gather-GEMM runs
-        faster on big maps than in Gray order, which runs one mask class at a time across the
-        whole grid; scripts/results/design_measurements.md). Derived on first use (one launch:
-        chunk_order_triton), like sorted_map_t; maps of fewer than CHUNK_ORDER_MIN_ROWS rows keep
-        the Gray order's own chunk sequence (gray_chunk_order: no launch)."""
-        idx = self.sorted_idx
-        if idx.shape[0] < CHUNK_ORDER_MIN_ROWS:  # small maps: the Gray order's own chunk order
-            return gray_chunk_order(idx.shape[0], idx.device)
-        if kernels_run_on(idx):
-            return chunk_order_triton(idx)
-        return chunk_order_torch(idx)
 
     def kernel_offsets(self, block: int) -> torch.Tensor:
         """valid_kernel[block] for a kernel that reads it through valid_kernel_seg: possibly
@@ -270,8 +213,7 @@ class GatherMap:
         held = [self.neighbor_map, self.sorted_idx]
         for runs in (self.valid_kernel, self.valid_kernel_seg):
             held.extend((runs.buffer,) if isinstance(runs, BlockRuns) else runs.values())
-        held.extend(view for name, view in self.__dict__.items()
-                    if name in ("sorted_map_t", "chunk_order"))
+        held.extend(self.derived_views.values())
         return held
 
     def map_tensors(self, fn) -> "GatherMap":

@@ -41,6 +41,7 @@ from flexplan.tuning.cases import part_case, shell_workload, torch_dtype  # noqa
 from flexplan.tuning.cli import DEFAULT_DTYPES, DEFAULT_SHELLS  # noqa: E402
 from flexplan.tuning.device import DeviceKey, device_key  # noqa: E402
 from flexplan.paths import shipped_tables_dir  # noqa: E402
+from flexplan.plan_views import chunk_order, sorted_map_t  # noqa: E402
 from flexplan.tuning.table import TuningTable, read_table, write_table  # noqa: E402
 from flexplan.tuning.tuner import do_bench_median, tune_cases  # noqa: E402
 
@@ -123,8 +124,8 @@ def wrapper_launch(work, part, max_splits):
             bm = nargs["BLOCK_M"]
             vk[:gmap.valid_kernel[bm].numel()].copy_(gmap.valid_kernel[bm])
             seg[:gmap.valid_kernel_seg[bm].numel()].copy_(gmap.valid_kernel_seg[bm])
-    args = (src, w_nvk, w_nvk, gmap.sorted_map_t, gmap.sorted_idx, gmap.chunk_order, vk, seg, dest,
-            m, k, n, v)
+    args = (src, w_nvk, w_nvk, sorted_map_t(gmap), gmap.sorted_idx, chunk_order(gmap), vk, seg,
+            dest, m, k, n, v)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])

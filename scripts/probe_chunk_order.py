@@ -1,6 +1,6 @@
 """GPU time of the gather GEMM with the chunks of sorted rows run in spatial order
-(chunk_order_triton) against the Gray order itself (gray_chunk_order), on the LiDAR batch's
-submanifold plan and the coordinates of the strided levels (fp16 forward, C = 16..128).
+(plan_views.chunk_order_triton) against the Gray order itself (gray_chunk_order), on the LiDAR
+batch's submanifold plan and the coordinates of the strided levels (fp16 forward, C = 16..128).
 Decides kernel_configs.CHUNK_ORDER_MIN_ROWS.
 
 Usage (GPU): python3 scripts/probe_chunk_order.py
@@ -12,7 +12,7 @@ import importlib
 import torch
 import triton.testing
 
-import flexplan.plan as plan_module
+import flexplan.plan_views as views
 from flexplan import ConvGeometry, build_plan
 from flexplan.workloads import lidar_batch
 
@@ -32,9 +32,9 @@ def main():
         x = torch.randn(m, channels, device="cuda", dtype=torch.float16)
         w = torch.randn(channels, 3, 3, 3, channels, device="cuda", dtype=torch.float16) * 0.05
         times = []
-        for order in (plan_module.chunk_order_triton(plan.fwd.sorted_idx),
-                      plan_module.gray_chunk_order(m, "cuda")):
-            plan.fwd.__dict__["chunk_order"] = order  # (the cached view the kernels read)
+        for order in (views.chunk_order_triton(plan.fwd.sorted_idx),
+                      views.gray_chunk_order(m, "cuda")):
+            plan.fwd.derived_views["chunk_order"] = order  # (the kept view the kernels read)
             with torch.no_grad():
                 times.append(triton.testing.do_bench(lambda: ops.sparse_conv(x, plan, w, None,
                                                                              algo="masked")))

@@ -248,7 +248,7 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
                  "flexplan.coords_hash", "flexplan.nn.sync_batchnorm"):
         monkeypatch.setattr(importlib.import_module(name), "launch", recording_launch)
     monkeypatch.setattr(launcher, "launch", recording_launch)  # the plan views import it late
-    monkeypatch.setattr(importlib.import_module("flexplan.plan"), "CHUNK_ORDER_MIN_ROWS", 0)
+    monkeypatch.setattr(importlib.import_module("flexplan.plan_views"), "CHUNK_ORDER_MIN_ROWS", 0)
     gen = torch.Generator().manual_seed(0)
     coords = random_coords(40, (8, 8, 8), batch_size=1, generator=gen)
     coords_digest(coords, use_triton=True)

@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flexplan import ConvGeometry, SparseTensor, build_plan
+from flexplan import ConvGeometry, SparseTensor, build_plan, plan_views
 from flexplan.kernel_configs import ALGORITHMS, SCHEDULE_CHUNK
 from flexplan.nn import SubMConv3d
 from flexplan.ops import sparse_conv
 from flexplan.plan import MISSING, ConvPlan
+from flexplan.plan_views import chunk_order, sorted_map_t
 from flexplan.planner.segments import gather_map, valid_signal
 from flexplan.workloads import random_coords, sphere_shell
 
@@ -271,9 +272,9 @@ def test_sorted_map_t_is_the_map_in_gray_order_transposed():
     _, plan = submanifold_case(90, seed=31)
     gmap = plan.fwd
     nmap, order = gmap.neighbor_map, gmap.sorted_idx.long()
-    assert gmap.sorted_map_t.shape == (nmap.shape[1], nmap.shape[0])
-    assert torch.equal(gmap.sorted_map_t, nmap[order].t())
-    assert gmap.sorted_map_t is gmap.sorted_map_t  # derived once per plan object
+    assert sorted_map_t(gmap).shape == (nmap.shape[1], nmap.shape[0])
+    assert torch.equal(sorted_map_t(gmap), nmap[order].t())
+    assert sorted_map_t(gmap) is sorted_map_t(gmap)  # derived once per plan object
     assert not any("sorted_map_t" in name for name in plan.tensors())  # not in plan files
 
 
@@ -363,15 +364,13 @@ def test_gpu_sphere_shell(algo, dtype_name):
 
 @pytest.mark.parametrize("algo", ["masked", "implicit"])
 def test_chunks_run_out_of_order(algo, device, monkeypatch):
-    """Several chunks of sorted rows, run in GatherMap.chunk_order (not the identity here: the
+    """Several chunks of sorted rows, run in plan_views.chunk_order (not the identity here: the
     spatial order that big maps take, forced for this small one)."""
-    import flexplan.plan as plan_module
-
-    monkeypatch.setattr(plan_module, "CHUNK_ORDER_MIN_ROWS", 0)
+    monkeypatch.setattr(plan_views, "CHUNK_ORDER_MIN_ROWS", 0)
     shape = (10, 10, 10)
     coords, plan = submanifold_case(420, shape, seed=5)
     chunk = SCHEDULE_CHUNK
-    order = plan.fwd.chunk_order.tolist()
+    order = chunk_order(plan.fwd).tolist()
     firsts = plan.fwd.sorted_idx[::chunk].tolist()
     assert sorted(order) == list(range(len(order))) and order != sorted(order)
     assert [firsts[c] for c in order[:-1]] == sorted(firsts[:-1]) and order[-1] == len(order) - 1

@@ -158,6 +158,18 @@ def test_the_launch_layer_and_the_schedule_import_downward_only():
     assert graph["flexplan.planner.segments_torch"] <= {"flexplan.plan"}
 
 
+def test_the_plan_value_asks_no_layer_above_it():
+    """plan.py is a passive value module (issue #24): its GatherMap's views are derived by
+    plan_views.py above it, which launches their kernels; plan.py imports neither the launcher
+    nor the ops or the cache (not even inside functions)."""
+    graph = import_graph()
+    above = [m for m in graph["flexplan.plan"]
+             if m == "flexplan.launcher" or m == "flexplan.plan_views"
+             or m.split(".")[:2] in (["flexplan", "ops"], ["flexplan", "cache"])]
+    assert not above, f"flexplan.plan imports layers above it: {sorted(above)}"
+    assert {"flexplan.plan", "flexplan.launcher"} <= graph["flexplan.plan_views"]
+
+
 def test_cycle_finder_on_small_graphs():
     line = {"a": {"b"}, "b": {"c"}, "c": set()}
     assert import_cycles(line) == []

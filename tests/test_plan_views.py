@@ -1,18 +1,19 @@
-"""GatherMap's derived views (sorted_map_t, chunk_order) from their one-launch kernels
-(kernels_src/plan_views.py) equal the torch expressions, for any row count (none, fewer than a
-chunk, around chunk boundaries, many tiles of chunks) and volume; GatherMap uses the kernels
-wherever the launcher can run them (chunk_order: for maps of CHUNK_ORDER_MIN_ROWS rows or
-more; smaller ones keep the Gray order's chunks). On the CPU the kernels run through the
-interpreter."""
+"""GatherMap's derived views (flexplan/plan_views.py: sorted_map_t, chunk_order) from their
+one-launch kernels (kernels_src/plan_views.py) equal the torch expressions, for any row count
+(none, fewer than a chunk, around chunk boundaries, many tiles of chunks) and volume;
+plan_views derives them once per map object, keeps them on it, and uses the kernels wherever
+the launcher can run them (chunk_order: for maps of CHUNK_ORDER_MIN_ROWS rows or more; smaller
+ones keep the Gray order's chunks). On the CPU the kernels run through the interpreter."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flexplan import launcher
+from flexplan import launcher, plan_views
 from flexplan.kernel_configs import SCHEDULE_CHUNK
-from flexplan.plan import (CHUNK_ORDER_LAUNCH, GatherMap, chunk_order_torch, chunk_order_triton,
-                           kernels_run_on, sorted_map_t_torch, sorted_map_t_triton)
+from flexplan.plan import (CHUNK_ORDER_LAUNCH, ConvPlan, GatherMap, chunk_order_torch,
+                           kernels_run_on, sorted_map_t_torch)
+from flexplan.plan_views import chunk_order, chunk_order_triton, sorted_map_t, sorted_map_t_triton
 
 ROWS = (0, 1, 511, 512, 513, 5000)
 VOLUMES = (1, 8, 27)
@@ -59,9 +60,7 @@ def test_chunk_order_kernel_is_the_torch_expression(chunk, kernel_device):
 
 
 def test_gather_map_derives_its_views_in_one_launch_each(kernel_device, monkeypatch):
-    import flexplan.plan as plan
-
-    monkeypatch.setattr(plan, "CHUNK_ORDER_MIN_ROWS", 0)  # every map: the spatial chunk order
+    monkeypatch.setattr(plan_views, "CHUNK_ORDER_MIN_ROWS", 0)  # every map: the spatial chunk order
     launched = []
     real_launch = launcher.launch
 
@@ -74,11 +73,11 @@ def test_gather_map_derives_its_views_in_one_launch_each(kernel_device, monkeypa
         nmap, order = _case(m, 27, seed=3, device=kernel_device)
         gmap = GatherMap(nmap, order, {}, {})
         launched.clear()
-        assert torch.equal(gmap.sorted_map_t, sorted_map_t_torch(nmap, order))
-        assert torch.equal(gmap.chunk_order, chunk_order_torch(order))
-        assert gmap.sorted_map_t is gmap.sorted_map_t and gmap.chunk_order is gmap.chunk_order
+        assert torch.equal(sorted_map_t(gmap), sorted_map_t_torch(nmap, order))
+        assert torch.equal(chunk_order(gmap), chunk_order_torch(order))
+        assert sorted_map_t(gmap) is sorted_map_t(gmap) and chunk_order(gmap) is chunk_order(gmap)
         assert launched == (["sorted_map_t_kernel", "chunk_order_kernel"] if m else []), launched
-        assert gmap.sorted_map_t.shape == (27, m)
+        assert sorted_map_t(gmap).shape == (27, m)
 
 
 def test_row_counts_make_no_new_launch_class(kernel_device, monkeypatch):
@@ -99,25 +98,57 @@ def test_row_counts_make_no_new_launch_class(kernel_device, monkeypatch):
 
 
 def test_small_maps_run_their_chunks_in_gray_order_without_a_launch(kernel_device, monkeypatch):
-    import flexplan.plan as plan
-
-    monkeypatch.setattr(plan, "CHUNK_ORDER_MIN_ROWS", 5000)
-    monkeypatch.setattr(plan, "chunk_order_triton", None)  # would raise if called
+    monkeypatch.setattr(plan_views, "CHUNK_ORDER_MIN_ROWS", 5000)
+    monkeypatch.setattr(plan_views, "chunk_order_triton", None)  # would raise if called
     for m in (0, 1, SCHEDULE_CHUNK, 4999):
         nmap, order = _case(m, 8, seed=2, device=kernel_device)
-        got = GatherMap(nmap, order, {}, {}).chunk_order
+        got = chunk_order(GatherMap(nmap, order, {}, {}))
         assert got.dtype == torch.int32 and got.device == nmap.device
         assert got.tolist() == list(range(-(-m // SCHEDULE_CHUNK)))
 
 
 def test_cpu_maps_without_the_interpreter_use_torch(monkeypatch):
-    import flexplan.plan as plan
-
-    monkeypatch.setattr(plan, "CHUNK_ORDER_MIN_ROWS", 0)
-    monkeypatch.setattr(plan, "kernels_run_on", lambda t: False)
-    monkeypatch.setattr(plan, "sorted_map_t_triton", None)  # would raise if called
-    monkeypatch.setattr(plan, "chunk_order_triton", None)
+    monkeypatch.setattr(plan_views, "CHUNK_ORDER_MIN_ROWS", 0)
+    monkeypatch.setattr(plan_views, "kernels_run_on", lambda t: False)
+    monkeypatch.setattr(plan_views, "sorted_map_t_triton", None)  # would raise if called
+    monkeypatch.setattr(plan_views, "chunk_order_triton", None)
     nmap, order = _case(300, 8, seed=1, device="cpu")
     gmap = GatherMap(nmap, order, {}, {})
-    assert torch.equal(gmap.sorted_map_t, nmap[order.long()].t())
-    assert gmap.chunk_order.tolist() == chunk_order_torch(order).tolist()
+    assert torch.equal(sorted_map_t(gmap), nmap[order.long()].t())
+    assert chunk_order(gmap).tolist() == chunk_order_torch(order).tolist()
+
+
+def test_the_map_holds_its_views_but_never_derives_them(monkeypatch):
+    """GatherMap is a passive value: it keeps the views plan_views made (held_tensors counts
+    them), and a moved, pickled or equal-field copy starts without them."""
+    import pickle
+
+    monkeypatch.setattr(plan_views, "CHUNK_ORDER_MIN_ROWS", 0)
+    monkeypatch.setattr(plan_views, "kernels_run_on", lambda t: False)
+    nmap, order = _case(300, 8, seed=1, device="cpu")
+    gmap = GatherMap(nmap, order, {}, {})
+    assert gmap.derived_views == {} and not hasattr(gmap, "sorted_map_t")
+    held = len(gmap.held_tensors())
+    view, chunks = sorted_map_t(gmap), chunk_order(gmap)
+    assert gmap.derived_views == {"sorted_map_t": view, "chunk_order": chunks}
+    assert len(gmap.held_tensors()) == held + 2
+    assert gmap.held_tensors()[-2:] == [view, chunks]
+    for copy in (gmap.to("cpu"), pickle.loads(pickle.dumps(gmap)), gmap.map_tensors(lambda t: t)):
+        assert copy.derived_views == {} and copy is not gmap
+        assert torch.equal(sorted_map_t(copy), view)
+    assert "derived_views" not in repr(gmap)
+
+
+def test_memory_cache_counts_the_views_once_whether_made_or_not(monkeypatch):
+    from flexplan.cache.memory import held_bytes
+    from flexplan.geometry import ConvGeometry
+
+    monkeypatch.setattr(plan_views, "kernels_run_on", lambda t: False)
+    nmap, order = _case(300, 8, seed=1, device="cpu")
+    empty = torch.zeros(0, dtype=torch.int32)
+    plan = ConvPlan(ConvGeometry.make(3), 1, (8, 8, 8), (8, 8, 8), 300, 300,
+                    torch.zeros(300, 4, dtype=torch.int32), GatherMap(nmap, order, {}, {}), None,
+                    empty, empty, torch.zeros(1, dtype=torch.int32))
+    before = held_bytes(plan)
+    sorted_map_t(plan.fwd)
+    assert held_bytes(plan) == before  # counted as made before, as held after

@@ -24,14 +24,14 @@ def held_bytes(plan: ConvPlan) -> int:
     """Bytes of the storages behind the plan's tensors, each counted once: a tensor may be a view
     of a larger buffer (the Triton planner's valid_kernel of every block size shares one buffer
     sized for the worst case), and the buffer is what stays allocated. The gather maps' derived
-    views (GatherMap.sorted_map_t, the size of the map, and chunk_order, a fraction of it) are
+    views (plan_views.sorted_map_t, the size of the map, and chunk_order, a fraction of it) are
     counted as made, since the first convolution makes them after the plan is put."""
     storages = {}
     for t in plan.held_tensors():
         storage = t.untyped_storage()
         storages[(t.device, storage.data_ptr())] = storage.nbytes()
     derived = sum(gmap.neighbor_map.nbytes for gmap in (plan.fwd, plan.bwd)
-                  if gmap is not None and "sorted_map_t" not in gmap.__dict__)
+                  if gmap is not None and "sorted_map_t" not in gmap.derived_views)
     return sum(storages.values()) + derived
 
 

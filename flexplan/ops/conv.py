@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import torch
 
+from .. import plan_views
 from ..compile_boundary import opaque
 from ..device_guard import on_device_of
 from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, IM2COL_BLOCK_K,
@@ -163,8 +164,9 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     dest = torch.empty((cfg.splitk, m, n), dtype=acc_dtype, device=src.device) if split else out
     has_bias = bias is not None and not split
 
-    launch_gather_gemm(launch, src, w_nvk, bias if has_bias else w_nvk, gmap.sorted_map_t,
-                       gmap.sorted_idx, gmap.chunk_order, valid_kernel, valid_kernel_seg, dest,
+    launch_gather_gemm(launch, src, w_nvk, bias if has_bias else w_nvk,
+                       plan_views.sorted_map_t(gmap), gmap.sorted_idx,
+                       plan_views.chunk_order(gmap), valid_kernel, valid_kernel_seg, dest,
                        m, k, n, v, cfg, masked, reverse, has_bias, dtype, hip)
     if split:
         total = dest.sum(0)

@@ -1,0 +1,93 @@
+"""The views the gather kernels read, derived from a GatherMap (a passive value) on first use.
+
+sorted_map_t(gmap) and chunk_order(gmap) return the view, deriving it the first time it is asked
+for on that map object and keeping it in gmap.derived_views (the map holds the slot, never fills
+it: layers above ask layers below, so the plan value does not launch kernels). Each view is one
+Triton launch (kernels_src/plan_views.py, described by plan.py's launch_sorted_map_t /
+launch_chunk_order) where the launcher can run kernels (CUDA tensors, or any under
+TRITON_INTERPRET=1), else the torch expression in plan.py, which is also the kernels' oracle.
+Views are not written to plan files, pickled or carried by GatherMap.to(): a moved or loaded
+map derives its own.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import launcher
+from .kernel_configs import CHUNK_ORDER_MIN_ROWS, SCHEDULE_CHUNK
+from .plan import (GatherMap, chunk_order_torch, kernels_run_on, launch_chunk_order,
+                   launch_sorted_map_t, sorted_map_t_torch)
+
+
+def sorted_map_t(gmap: GatherMap) -> torch.Tensor:
+    """int32 [V, M]: entry (v, i) is neighbor_map[sorted_idx[i], v], the layout the gather
+    kernels read (one offset's neighbours of a block of sorted rows are contiguous).
+    Derived on first use (one launch: sorted_map_t_triton) and kept with the map object."""
+    view = gmap.derived_views.get("sorted_map_t")
+    if view is None:
+        nmap, idx = gmap.neighbor_map, gmap.sorted_idx
+        if kernels_run_on(nmap):
+            view = sorted_map_t_triton(nmap, idx)
+        else:
+            view = sorted_map_t_torch(nmap, idx)
+        gmap.derived_views["sorted_map_t"] = view
+    return view
+
+
+def chunk_order(gmap: GatherMap) -> torch.Tensor:
+    """int32 [ceil(M / SCHEDULE_CHUNK)]: the order in which the gather kernels run the chunks
+    of SCHEDULE_CHUNK sorted rows (every block size of the plan tiles them): whole chunks by
+    ascending first row, a partial last chunk last.
+
+    Blocks stay as the Gray order formed them, but the GPU runs chunks of nearby rows at the
+    same time: rows come in spatial order from voxelization, sorted coords and strided plans
+    (torch.unique), so their neighbours are shared and stay in L2 (the gather-GEMM runs
+    faster on big maps than in Gray order, which runs one mask class at a time across the
+    whole grid; scripts/results/design_measurements.md). Derived on first use (one launch:
+    chunk_order_triton) and kept with the map object, like sorted_map_t; maps of fewer than
+    CHUNK_ORDER_MIN_ROWS rows keep the Gray order's own chunk sequence (gray_chunk_order: no
+    launch)."""
+    view = gmap.derived_views.get("chunk_order")
+    if view is None:
+        idx = gmap.sorted_idx
+        if idx.shape[0] < CHUNK_ORDER_MIN_ROWS:  # small maps: the Gray order's own chunk order
+            view = gray_chunk_order(idx.shape[0], idx.device)
+        elif kernels_run_on(idx):
+            view = chunk_order_triton(idx)
+        else:
+            view = chunk_order_torch(idx)
+        gmap.derived_views["chunk_order"] = view
+    return view
+
+
+def gray_chunk_order(m: int, device: torch.device) -> torch.Tensor:
+    """int32 [ceil(m / SCHEDULE_CHUNK)]: 0, 1, 2, ... (chunks in Gray order, a partial last
+    chunk last), a view of one arange kept per device: no launch, no allocation."""
+    chunks = -(-m // SCHEDULE_CHUNK)
+    return _aranges(torch.device(device), CHUNK_ORDER_MIN_ROWS // SCHEDULE_CHUNK + 1)[:chunks]
+
+
+@functools.lru_cache(maxsize=None)
+def _aranges(device: torch.device, n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int32, device=device)
+
+
+def sorted_map_t_triton(neighbor_map: torch.Tensor, sorted_idx: torch.Tensor) -> torch.Tensor:
+    """sorted_map_t_torch in one launch."""
+    m, v = neighbor_map.shape
+    out = torch.empty((v, m), dtype=neighbor_map.dtype, device=neighbor_map.device)
+    if m:  # (launcher.launch looked up per call: tests record launches there)
+        launch_sorted_map_t(launcher.launch, neighbor_map.contiguous(), sorted_idx.contiguous(),
+                            out, m, v)
+    return out
+
+
+def chunk_order_triton(sorted_idx: torch.Tensor, chunk: int = SCHEDULE_CHUNK) -> torch.Tensor:
+    """chunk_order_torch in one launch."""
+    m = sorted_idx.shape[0]
+    order = torch.empty(-(-m // chunk), dtype=torch.int32, device=sorted_idx.device)
+    if m:
+        launch_chunk_order(launcher.launch, sorted_idx.contiguous(), order, m, chunk)
+    return order

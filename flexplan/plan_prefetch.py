@@ -12,9 +12,11 @@ What a step asks is recorded per thread as requests (path, geometry, training): 
 coordinates by the strided geometries that led from the step's input coordinates to them (the
 input's is ()). A step begins with a request on coordinates the current step did not make, or
 with a repeat of its first request. Nothing here changes which plan a layer gets: prefetched
-plans are keyed by the coordinates' identity, device and geometry, as the cache keys them. A
+plans are keyed by the coordinates' identity, device, grid and batch size and the geometry, as
+the cache keys them, and handed to the first layer that asks (its tensor keeps it). A
 sequence that differs from the last (another network, a branch) only builds what it asks;
-a failed prefetch is dropped (the layer's own request then raises, if the failure was real).
+a failed prefetch is dropped with a warning and not tried again for that kind of step (the
+layers' own requests then build, or raise if the failure was real).
 
 FLEXPLAN_PLAN_PREFETCH=0 turns it off (every plan built at its layer, as before).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections import OrderedDict
 
 from .cache import cached_plan
@@ -44,10 +47,11 @@ class _Steps(threading.local):
     """This thread's current step and the sequences of the steps before it."""
 
     def __init__(self):
-        self.paths: dict = {}          # (identity, device) -> path, for the current step
+        self.paths: dict = {}          # node -> path, for the current step (_node)
         self.recording: list = []      # the current step's requests
         self.kind: tuple | None = None  # the current step's first request, grid and batch size
-        self.prefetched: dict = {}     # (identity, device, geometry) -> ConvPlan
+        self.prefetched: dict = {}     # (node, geometry) -> ConvPlan, until a layer takes it
+        self.failed: set = set()       # kinds whose prefetch raised: not tried again
         self.recipes: OrderedDict = OrderedDict()  # first request -> [requests, confirmed]
 
 
@@ -62,19 +66,21 @@ def plan_for(x, geometry: ConvGeometry, training: bool) -> ConvPlan:
                        training)
     steps = _steps
     identity, device = x.coords_identity(), x.coords.device
-    path = steps.paths.get((identity, device))
+    node = _node(identity, device, x.grid_shape, x.batch_size)
+    path = steps.paths.get(node)
     request = (path, geometry, training)
     if path is None or (steps.recording and request == steps.recording[0]):
         request = (), geometry, training
-        _begin_step(steps, x, identity, request)
+        _begin_step(steps, x, node, request)
     if len(steps.recording) <= MAX_REQUESTS:
         steps.recording.append(request)
-    plan = steps.prefetched.get((identity, device, geometry))
+    plan = steps.prefetched.pop((node, geometry), None)  # the layer's tensor keeps it from here
     if plan is None or not plan.serves(training):
         plan = _cached(x.coords, x.grid_shape, x.batch_size, geometry, identity, training)
     if not geometry.submanifold:
         child = derived_identity(identity, x.grid_shape, x.batch_size, geometry)
-        steps.paths[(child, device)] = request[0] + (geometry,)
+        steps.paths[_node(child, device, plan.out_spatial_shape, x.batch_size)] = (
+            request[0] + (geometry,))
     return plan
 
 
@@ -83,25 +89,34 @@ def clear() -> None:
     _steps.__init__()
 
 
+def _node(identity: bytes, device, grid_shape, batch_size: int) -> tuple:
+    """A set of coordinates as the plan cache tells them apart: the same rows under another
+    grid or batch size have other plans (a strided output's border, its grid)."""
+    return identity, device, tuple(int(s) for s in grid_shape), int(batch_size)
+
+
 def _cached(coords, grid_shape, batch_size, geometry, identity, training) -> ConvPlan:
     return cached_plan(coords, grid_shape, batch_size, geometry, check=False, identity=identity,
                        training=training)
 
 
-def _begin_step(steps: _Steps, x, identity: bytes, first: tuple) -> None:
+def _begin_step(steps: _Steps, x, node: tuple, first: tuple) -> None:
     """End the current step (its requests become the sequence of their kind) and begin one on
-    x's coordinates; prefetch its plans if the two steps before it asked the same."""
+    x's coordinates (node); prefetch its plans if the two steps before it asked the same."""
     _remember(steps)
-    steps.paths = {(identity, x.coords.device): ()}
+    steps.paths = {node: ()}
     steps.recording, steps.prefetched = [], {}
     kind = steps.kind = _kind(first, x.grid_shape, x.batch_size)
     entry = steps.recipes.get(kind)
-    if entry is not None and entry[1]:
+    if entry is not None and entry[1] and kind not in steps.failed:
         try:
-            _prefetch(steps, x, identity, entry[0])
-        except Exception:  # noqa: BLE001 - the layers' own requests build (or raise) as before
+            _prefetch(steps, x, node, entry[0])
+        except Exception as exc:  # noqa: BLE001 - the layers' own requests build (or raise)
             steps.prefetched = {}
-            del steps.recipes[kind]
+            steps.failed.add(kind)
+            warnings.warn(f"flexplan: prefetching a step's plans failed ({type(exc).__name__}: "
+                          f"{exc}); this network's plans are built at its layers from now on",
+                          RuntimeWarning, stacklevel=2)
 
 
 def _kind(first: tuple, grid_shape, batch_size: int) -> tuple:
@@ -124,19 +139,20 @@ def _remember(steps: _Steps) -> None:
             steps.recipes.popitem(last=False)
 
 
-def _prefetch(steps: _Steps, x, identity: bytes, recipe: list) -> None:
+def _prefetch(steps: _Steps, x, node: tuple, recipe: list) -> None:
     """Build (or find in the cache) every plan of `recipe` over x's coordinates and the
     coordinates its strided plans make, in the recorded order."""
     device, batch_size = x.coords.device, x.batch_size
-    nodes = {(): (x.coords, x.grid_shape, identity)}
+    sets = {(): (x.coords, x.grid_shape, node[0])}  # path -> coords, grid, identity
     for path, geometry, training in recipe:
-        node = nodes.get(path)
-        if node is None:  # recorded on coordinates this sequence does not make: stop here
+        at = sets.get(path)
+        if at is None:  # recorded on coordinates this sequence does not make: stop here
             return
-        coords, grid_shape, ident = node
+        coords, grid_shape, ident = at
         plan = _cached(coords, grid_shape, batch_size, geometry, ident, training)
-        steps.prefetched[(ident, device, geometry)] = plan
+        steps.prefetched[(_node(ident, device, grid_shape, batch_size), geometry)] = plan
         if not geometry.submanifold:
             child = derived_identity(ident, grid_shape, batch_size, geometry)
-            nodes[path + (geometry,)] = (plan.out_coords, plan.out_spatial_shape, child)
-            steps.paths[(child, device)] = path + (geometry,)
+            sets[path + (geometry,)] = (plan.out_coords, plan.out_spatial_shape, child)
+            steps.paths[_node(child, device, plan.out_spatial_shape, batch_size)] = (
+                path + (geometry,))

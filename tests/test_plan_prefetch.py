@@ -140,3 +140,36 @@ def test_repeated_coordinates_keep_one_sequence(log):
     assert len(steps.recipes) == 1
     (recipe, confirmed), = steps.recipes.values()
     assert confirmed and len(recipe) == 5
+
+
+def test_same_rows_under_another_grid_get_their_own_plan(log, monkeypatch):
+    """The cache tells the same coordinate rows apart by grid and batch size (a strided
+    output's border and grid depend on them): so does the prefetch."""
+    net = spconv.SparseSequential(spconv.SubMConv3d(3, 3, 3, indice_key="s"),
+                                  spconv.SparseConv3d(3, 4, 2, stride=2, indice_key="d")).double()
+    down = net[1]
+    for seed in (1, 2):
+        net(sparse_input((5, 6, 5), seed=seed))
+    x = sparse_input((5, 6, 5), seed=3)
+    net[0](x)  # the step's first request: both plans prefetched, the strided one on (5, 6, 5)
+    wider = spconv.SparseConvTensor(x.features, x.indices, (6, 6, 6), x.batch_size)
+    got = down(wider)  # the same rows in a (6, 6, 6) grid: not the prefetched plan
+    monkeypatch.setenv(plan_prefetch.PREFETCH_ENV, "0")
+    want = down(spconv.SparseConvTensor(x.features, x.indices, (6, 6, 6), x.batch_size))
+    assert got.spatial_shape == want.spatial_shape == (3, 3, 3)
+    assert torch.equal(got.indices, want.indices)
+    torch.testing.assert_close(got.features, want.features, rtol=0, atol=0)
+
+
+def test_failed_prefetch_warns_once_and_is_not_retried(log, monkeypatch):
+    net = network()
+    run(net, 1, grad=False)
+    run(net, 2, grad=False)
+    monkeypatch.setattr(plan_prefetch, "_prefetch", lambda *a: 1 / 0)
+    with pytest.warns(RuntimeWarning, match="prefetching a step's plans failed"):
+        run(net, 3, grad=False)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in (4, 5, 6):
+            run(net, seed, grad=False)

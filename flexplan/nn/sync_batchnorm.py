@@ -187,7 +187,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         channels = x.shape[1]
         rows = x.numel() // channels  # a host number (shapes are on the host): no sync
         sd = _stats_dtype(x)
-        cuda = x.is_cuda and use_kernels
+        # (torch.compile traces the torch-op path: its launches are not Triton's traced ones)
+        cuda = x.is_cuda and use_kernels and not torch.compiler.is_compiling()
         if rows == 0:  # an empty rank still joins the collective (its peers wait), with zeros
             packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
         elif cuda:

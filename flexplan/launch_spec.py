@@ -49,7 +49,8 @@ class Size:
         return "SIZE"
 
 
-INT32, INT64, FLOAT32 = Tensor("int32"), Tensor("int64"), Tensor("float32")
+INT32, INT64 = Tensor("int32"), Tensor("int64")
+FLOAT32, FLOAT64 = Tensor("float32"), Tensor("float64")
 FEATURE = Tensor("feature")  # the op's feature dtype (a float dtype; float32 for tf32)
 OUTPUT = Tensor("output")  # what an op writes: the features' dtype, or its accumulator's (split-K)
 KEYS = Tensor("keys")  # packed voxel keys: int32 or int64 (planner/keys.py key_dtype)

@@ -54,7 +54,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..device_guard import on_device_of
 from ..kernels_src import batchnorm_stats as kernels
-from ..launch_spec import INT32, INT64, SIZE, Tensor
+from ..launch_spec import FLOAT64, INT32, INT64, SIZE, Tensor
 from ..launcher import launch
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
@@ -100,7 +100,7 @@ def _consts(device: torch.device, eps: float, momentum: float) -> torch.Tensor:
 
 # Launch descriptions (flexplan/launch_spec.py): the kernel path launches through these, the AOT
 # build (flexplan/aot/variants.py) records them with example arguments.
-FLOAT64 = Tensor("float64")  # the packed sums and [eps, momentum]
+# FLOAT64: the packed sums and [eps, momentum]; the two roles below are this op's own.
 STATS = Tensor("stats")  # batch_norm_stats' mean / invstd and ours: _stats_dtype of the input
 RUNNING = Tensor("running")  # running_mean / running_var: the module's buffers' dtype
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from .compile_boundary import opaque
 from .geometry import ConvGeometry
+from .geometry4d import ConvGeometry4d
 from .plan import ConvPlan
 from .plan_prefetch import plan_for
+from .planner.plan4d import build_plan_4d
 
 
 @opaque
@@ -26,5 +28,19 @@ def tensor_plan(x, geometry: ConvGeometry, training: bool = True) -> ConvPlan:
     plan = plans.get(geometry)
     if plan is None or not plan.serves(training):
         plan = plan_for(x, geometry, training)
+        plans[geometry] = plan
+    return plan
+
+
+@opaque
+def tensor_plan_4d(x, geometry: ConvGeometry4d, training: bool = True) -> ConvPlan:
+    """tensor_plan for a 4D tensor (SparseConvTensor of [N, 5] indices) and a ConvGeometry4d:
+    from its Plans, else built by the 4D planner and kept there. Not through the plan cache,
+    whose keys and files are 3D: a 4D plan is made once per coordinates and geometry, and
+    shared by every layer and tensor over those coordinates."""
+    plans = x._plans
+    plan = plans.get(geometry)
+    if plan is None or not plan.serves(training):
+        plan = build_plan_4d(x.coords, x.grid_shape, x.batch_size, geometry, training)
         plans[geometry] = plan
     return plan

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ..coords4d import check_coords_4d, check_grid_4d
 from ..geometry import triple
 from ..plan import ConvPlan
 from ..cache import refine_plan
@@ -58,14 +59,27 @@ class SparseConvTensor(SparseTensor):
     the 2D and 1D layers) are kept as 3D ones with unit last axes: coords [N, 4] with zeros
     there and a grid like (D0, D1, 1), so every plan, kernel and cache serves them unchanged;
     indices, spatial_shape and dense() show the 2D / 1D view.
+
+    4D tensors (spconv's [N, 5] indices (batch, d0, d1, d2, d3) with a 4-entry spatial_shape, for
+    the 4D layers) keep their [N, 5] coords and 4D grid as they are: only the 4D layers, whose
+    plans are 4D (flexplan/planner/plan4d.py), take them; 3D layers refuse them (check_ndim).
     """
 
-    _ndim = 3  # spatial dimensions shown to the user: 3, or 2 (a unit third axis inside)
+    _ndim = 3  # spatial dimensions shown to the user: 3, 2 or 1 (unit axes inside), or 4
 
     def __init__(self, features: torch.Tensor, indices: torch.Tensor, spatial_shape, batch_size: int,
                  grid=None, voxel_num=None, indice_dict: Optional[dict] = None, benchmark: bool = False,
                  permanent_thrust_allocator: bool = False, enable_timer: bool = False,
                  force_algo=None, *, check: bool = True):
+        if isinstance(indices, torch.Tensor) and indices.dim() == 2 and indices.shape[1] == 5:
+            self._init_4d(features, indices, spatial_shape, int(batch_size), check)
+        else:
+            self._init_3d(features, indices, spatial_shape, batch_size, check)
+        self.indice_dict = {} if indice_dict is None else indice_dict
+        self.grid, self.voxel_num, self.force_algo = grid, voxel_num, force_algo
+        self.benchmark, self.benchmark_record = benchmark, {}
+
+    def _init_3d(self, features, indices, spatial_shape, batch_size, check: bool) -> None:
         if isinstance(indices, torch.Tensor) and indices.dim() == 2 and indices.shape[1] in (2, 3):
             ndim = indices.shape[1] - 1
             if len(tuple(spatial_shape)) != ndim:
@@ -75,9 +89,24 @@ class SparseConvTensor(SparseTensor):
             indices = torch.nn.functional.pad(indices, (0, 3 - ndim))  # unit axes at 0 (dtype kept)
             spatial_shape = (*spatial_shape, *(1,) * (3 - ndim))
         super().__init__(features, indices, spatial_shape, int(batch_size), check=check)
-        self.indice_dict = {} if indice_dict is None else indice_dict
-        self.grid, self.voxel_num, self.force_algo = grid, voxel_num, force_algo
-        self.benchmark, self.benchmark_record = benchmark, {}
+
+    def _init_4d(self, features, indices, spatial_shape, batch_size: int, check: bool) -> None:
+        """SparseTensor's fields over 4D coords, which its own checks (3D) do not take."""
+        self._ndim = 4
+        shape = check_grid_4d(spatial_shape, batch_size)
+        if not isinstance(features, torch.Tensor) or not features.is_floating_point() or \
+                features.dim() != 2:
+            got = (f"{features.dtype} {tuple(features.shape)}" if isinstance(features, torch.Tensor)
+                   else type(features).__name__)
+            raise SparseTensorError(f"features must be a floating-point [N, C] tensor, got {got}")
+        if features.shape[0] != indices.shape[0] or features.device != indices.device:
+            raise SparseTensorError(f"features ({features.shape[0]} rows, {features.device}) and "
+                                    f"indices ({indices.shape[0]} rows, {indices.device}) must "
+                                    "match in rows and device")
+        if check:
+            check_coords_4d(indices, shape, batch_size)
+        self.feats, self.coords, self._spatial_shape = features, indices, shape
+        self.batch_size, self._plans = batch_size, Plans()
 
     # spconv names for SparseTensor's fields. Changing coords or grid drops the cached plans.
     @property
@@ -97,12 +126,12 @@ class SparseConvTensor(SparseTensor):
 
     @property
     def ndim(self) -> int:
-        """Spatial dimensions: 3, or 2 for a tensor of [N, 3] indices."""
+        """Spatial dimensions: 3, 2 / 1 for a tensor of [N, 3] / [N, 2] indices, 4 for [N, 5]."""
         return self._ndim
 
     @property
     def indices(self) -> torch.Tensor:
-        return self.coords if self._ndim == 3 else self.coords[:, :1 + self._ndim]
+        return self.coords if self._ndim >= 3 else self.coords[:, :1 + self._ndim]
 
     @indices.setter
     def indices(self, value: torch.Tensor) -> None:
@@ -113,11 +142,15 @@ class SparseConvTensor(SparseTensor):
 
     @property
     def spatial_shape(self) -> tuple:
-        return self._spatial_shape if self._ndim == 3 else self._spatial_shape[:self._ndim]
+        return self._spatial_shape if self._ndim >= 3 else self._spatial_shape[:self._ndim]
 
     @spatial_shape.setter
     def spatial_shape(self, value) -> None:
         value = tuple(value)
+        if self._ndim == 4:
+            self._spatial_shape = check_grid_4d(value, self.batch_size)
+            self._plans = Plans()
+            return
         if self._ndim < 3 and len(value) == self._ndim:
             value = (*value, *(1,) * (3 - self._ndim))
         self._spatial_shape = triple(value, "spatial_shape")
@@ -126,8 +159,8 @@ class SparseConvTensor(SparseTensor):
     @classmethod
     def from_dense(cls, x: torch.Tensor) -> "SparseConvTensor":
         """From a channels-last [B, D0, D1, D2, C] tensor (or [B, D0, D1, C] / [B, D0, C]: a 2D /
-        1D tensor): the sites with any nonzero channel."""
-        if x.dim() not in (3, 4, 5):
+        1D tensor; [B, D0, D1, D2, D3, C]: a 4D one): the sites with any nonzero channel."""
+        if x.dim() not in (3, 4, 5, 6):
             raise SparseTensorError(f"from_dense expects [B, D0, D1, D2, C] (or 2D / 1D), "
                                     f"got {tuple(x.shape)}")
         active = (x != 0).any(dim=-1)
@@ -164,7 +197,12 @@ class SparseConvTensor(SparseTensor):
 
     def dense(self, channels_first: bool = True) -> torch.Tensor:
         """[B, C, D0, D1, D2], or [B, D0, D1, D2, C] with channels_first=False (2D / 1D: fewer
-        axes)."""
+        axes; 4D: [B, C, D0, D1, D2, D3])."""
+        if self._ndim == 4:
+            out = self.feats.new_zeros((self.batch_size, self.num_channels, *self._spatial_shape))
+            b, *sites = self.coords.long().unbind(1)
+            out[(b, slice(None), *sites)] = self.feats
+            return out if channels_first else out.movedim(1, -1).contiguous()
         out = super().dense()
         for _ in range(3 - self._ndim):  # the unit axes of a 2D or 1D tensor
             out = out.squeeze(-1)

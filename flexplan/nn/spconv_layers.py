@@ -54,7 +54,8 @@ def lift(value, ndim: int, name: str, unit: int):
     if ndim == 3:
         return value
     if ndim not in (1, 2):
-        raise NotImplementedError(f"flexplan layers are 1D, 2D or 3D; got ndim={ndim}")
+        raise NotImplementedError(f"flexplan's 3D path takes 1D, 2D or 3D layers; got "
+                                  f"ndim={ndim} (4D: the *4d layers)")
     given = (value,) * ndim if isinstance(value, int) else tuple(value)
     if len(given) != ndim:
         raise ValueError(f"{name} of a {ndim}D layer needs {ndim} entries, got {value}")
@@ -152,20 +153,7 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
         check_ndim(self, x)
         # (below, the tensor's 3D coords and grid: a 2D tensor's have a unit third axis)
         if self.inverse:
-            data = x.find_indice_pair(self.indice_key)
-            if data is None:
-                raise KeyError(f"indice_key {self.indice_key!r} not found: the paired conv must "
-                               "run on this tensor's path first")
-            if data.is_subm:
-                raise ValueError(f"indice_key {self.indice_key!r} names a submanifold conv; an "
-                                 "inverse conv pairs with a strided or transposed one")
-            if data.plan.geometry.kernel_size != self.kernel_size:
-                raise ValueError(f"inverse conv kernel {self.kernel_size} differs from its paired "
-                                 f"conv's {data.plan.geometry.kernel_size}")
-            if x.num_voxels != data.plan.num_out or x._spatial_shape != data.out_spatial_shape:
-                raise ValueError(f"inverse conv input ({x.num_voxels} voxels, grid "
-                                 f"{x.spatial_shape}) is not the output of the conv of "
-                                 f"indice_key {self.indice_key!r}")
+            data = self._paired(x)
             plan, plans, indice_dict = data.inverse_plan, data.in_plans, x.indice_dict
         else:
             plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled())
@@ -178,6 +166,24 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
         feats = sparse_conv(x.features, plan, self.conv_weight(), self.bias, self.algo,
                             self.allow_tf32)
         return x._derived(feats, plan.out_coords, plan.out_spatial_shape, indice_dict, plans)
+
+    def _paired(self, x: SparseConvTensor) -> IndiceData:
+        """An inverse conv's paired conv, as recorded under its indice_key on x's path."""
+        data = x.find_indice_pair(self.indice_key)
+        if data is None:
+            raise KeyError(f"indice_key {self.indice_key!r} not found: the paired conv must "
+                           "run on this tensor's path first")
+        if data.is_subm:
+            raise ValueError(f"indice_key {self.indice_key!r} names a submanifold conv; an "
+                             "inverse conv pairs with a strided or transposed one")
+        if data.plan.geometry.kernel_size != self.kernel_size:
+            raise ValueError(f"inverse conv kernel {self.kernel_size} differs from its paired "
+                             f"conv's {data.plan.geometry.kernel_size}")
+        if x.num_voxels != data.plan.num_out or x._spatial_shape != data.out_spatial_shape:
+            raise ValueError(f"inverse conv input ({x.num_voxels} voxels, grid "
+                             f"{x.spatial_shape}) is not the output of the conv of "
+                             f"indice_key {self.indice_key!r}")
+        return data
 
     def extra_repr(self) -> str:
         s = f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}"

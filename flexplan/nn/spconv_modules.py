@@ -11,6 +11,7 @@ import enum
 
 import torch
 
+from ..coords4d import pack_keys_4d, unpack_keys_4d
 from ..planner.keys import pack_coords, unpack_keys
 from .sparse_conv_tensor import SparseConvTensor
 from .spconv_layers import SparseModule
@@ -162,11 +163,13 @@ def sparse_add(*tensors: SparseConvTensor) -> SparseConvTensor:
     if all(_same_sites(first, t) for t in tensors[1:]):
         return first.replace_feature(sum(t.features for t in tensors))
     grid, batch = first.grid_shape, first.batch_size
-    keys = torch.cat([pack_coords(t.coords, grid, batch) for t in tensors])
+    four_d = first.ndim == 4  # [N, 5] coords: 4D keys
+    keys = torch.cat([pack_keys_4d(t.coords, grid) if four_d else pack_coords(t.coords, grid, batch)
+                      for t in tensors])
     feats = torch.cat([t.features for t in tensors])
     uniq, rows = torch.unique(keys, return_inverse=True)
     out = feats.new_zeros((uniq.shape[0], feats.shape[1])).index_add(0, rows, feats)
-    coords = unpack_keys(uniq, grid).to(torch.int32)
+    coords = (unpack_keys_4d(uniq, grid) if four_d else unpack_keys(uniq, grid)).to(torch.int32)
     result = SparseConvTensor(out, coords, grid, batch, check=False)
     if first.ndim < 3:  # the same 2D / 1D view as the inputs
         result = SparseConvTensor(out, coords[:, :1 + first.ndim], grid[:first.ndim], batch,

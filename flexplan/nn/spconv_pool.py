@@ -66,9 +66,9 @@ class SparsePool(SparseModule):
 
     def extra_repr(self) -> str:
         s = f"kernel_size={self.kernel_size}, stride={self.stride}"
-        if self.padding != (0, 0, 0):
+        if any(self.padding):  # (any number of axes: the 4D pools' too)
             s += f", padding={self.padding}"
-        if self.dilation != (1, 1, 1):
+        if any(d != 1 for d in self.dilation):
             s += f", dilation={self.dilation}"
         return s + (", subm=True" if self.subm else "")
 

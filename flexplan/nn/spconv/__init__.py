@@ -9,6 +9,8 @@ from ..spconv_layers import (SparseConv1d, SparseConv2d, SparseConv3d, SparseCon
                             SparseConvTranspose1d, SparseConvTranspose2d, SparseConvTranspose3d,
                             SparseInverseConv1d, SparseInverseConv2d, SparseInverseConv3d,
                             SparseModule, SubMConv1d, SubMConv2d, SubMConv3d)
+from ..spconv_layers4d import (SparseAvgPool4d, SparseConv4d, SparseConvTranspose4d,
+                              SparseInverseConv4d, SparseMaxPool4d, SubMConv4d)
 from . import functional, ops, utils
 from ..spconv_modules import (AddTable, AddTableMisaligned, ConcatTable, ConvAlgo, Identity,
                              JoinTable, RemoveGrid, SparseBatchNorm, SparseIdentity, SparseReLU,
@@ -25,4 +27,6 @@ __all__ = ["AddTable", "AddTableMisaligned", "ConcatTable", "ConvAlgo", "Identit
            "SparseConvTranspose2d", "SparseInverseConv2d", "SparseMaxPool2d", "SubMConv2d", "SparseConv3d", "SparseConvTensor",
            "SparseConvTranspose3d", "SparseConvolution", "SparseGlobalAvgPool",
            "SparseGlobalMaxPool", "SparseInverseConv3d", "SparseMaxPool", "SparseMaxPool3d",
-           "SparseModule", "SparseSequential", "SubMConv3d", "ToDense", "ops", "utils"]
+           "SparseModule", "SparseSequential", "SubMConv3d", "ToDense", "ops", "utils",
+           "SparseAvgPool4d", "SparseConv4d", "SparseConvTranspose4d", "SparseInverseConv4d",
+           "SparseMaxPool4d", "SubMConv4d"]

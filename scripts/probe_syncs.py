@@ -26,6 +26,7 @@ os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-sy
 import flexplan.nn.spconv as sp  # noqa: E402
 import flexplan.plan_provider as plan_provider  # noqa: E402
 from e2e_networks import LidarUNet, VoxelResBackBone8x  # noqa: E402
+from bench_e2e import MODES  # noqa: E402
 from profile_host import step_fn  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
 
@@ -69,7 +70,7 @@ def main():
             batches = [lidar_batch(i, 2, 0, device, scans=scans)
                        for i in range(5 + args.steps + args.timed)]
             batches = [b._replace(features=b.features.half()) for b in batches]
-            step = step_fn(net, opt, phase)
+            step = step_fn(net, opt, phase, MODES["fp16"])
 
             for b in batches[:5]:
                 step(b)

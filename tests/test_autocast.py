@@ -70,3 +70,30 @@ def test_float64_is_left_alone_under_autocast(device):
                                 SHAPE, 1)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         assert conv(x).features.dtype == torch.float64
+
+
+def test_autocast_state_restored_and_no_cast_nodes(device):
+    """The op turns autocast off for its own torch ops and back on, also when it raises; the
+    weight reaches the op uncast (the cast is inside it: no cast node between them)."""
+    coords = random_coords(40, SHAPE, 1, generator=torch.Generator().manual_seed(6)).to(device)
+    conv = spconv.SubMConv3d(3, 4, 3).to(device)
+    x = spconv.SparseConvTensor(torch.randn(coords.shape[0], 3, device=device), coords, SHAPE, 1)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out = conv(x)
+        assert torch.is_autocast_enabled(device.type)
+        bad = spconv.SubMConv3d(5, 4, 3).to(device)  # channel mismatch: raises inside the op
+        with pytest.raises(ValueError, match="channels"):
+            bad(x)
+        assert torch.is_autocast_enabled(device.type)
+    assert not torch.is_autocast_enabled(device.type)
+    seen, todo = set(), [out.features.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        todo.extend(f for f, _ in fn.next_functions)
+    names = {type(f).__name__ for f in seen}
+    assert not any("ToCopy" in n for n in names), names
+    out.features.float().sum().backward()
+    assert conv.weight.grad.dtype == torch.float32 and conv.bias.grad.dtype == torch.float32

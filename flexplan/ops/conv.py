@@ -15,7 +15,6 @@ algorithms); "explicit" multiplies its im2col blocks on the vendor matmul.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import replace
 
@@ -221,11 +220,15 @@ def _explicit_gather_gemm(src, weight, bias, nmap, reverse, part):
 
 # ---------------------------------------------------------------- grad-weight
 
-def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bool):
+def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bool,
+          out_dtype: torch.dtype | None = None):
+    """Grad-weight [Co, V, Ci] in out_dtype (default: src's; an fp32 master weight under
+    autocast gets its gradient from the fp32 split-K sums without a 16-bit round trip)."""
+    out_dtype = out_dtype or src.dtype
     co, v, ci = weight_shape
     pairs = plan.num_pairs
     if algo == "explicit" or pairs == 0:
-        return _explicit_wgrad(grad_out, src, plan, weight_shape)
+        return _explicit_wgrad(grad_out, src, plan, weight_shape).to(out_dtype)
     dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()
     problem = Problem(pairs, ci, co, v, config_dtype(dtype, hip), algo, "wgrad")
     cfg = precision_config(select_config(WGRAD, problem), WGRAD, dtype, hip)
@@ -237,7 +240,7 @@ def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bo
 
     launch_wgrad(launch, grad_out, src, plan.valid_signal_o, plan.valid_signal_i,
                  plan.valid_signal_seg, dest, co, ci, v, plan.signal_offsets, cfg, dtype, hip)
-    return dest.sum(0).to(src.dtype) if cfg.splitk > 1 else dest
+    return (dest.sum(0) if cfg.splitk > 1 else dest).to(out_dtype)
 
 
 def _explicit_wgrad(grad_out, src, plan: ConvPlan, weight_shape):
@@ -268,8 +271,19 @@ def conv_forward(feats, weight, bias, plan: ConvPlan, algo: str, allow_tf32: boo
 
 
 class SparseConvFunction(torch.autograd.Function):
+    """cast: the autocast dtype (float16 / bfloat16) the weight and bias are cast to inside the
+    op, or None. Casting here rather than before the call leaves autograd no cast nodes of its
+    own (two per conv and step under autocast, host time in a host-bound step), and returns the
+    weight and bias gradients in their own dtype straight from the fp32 accumulators."""
+
     @staticmethod
-    def forward(ctx, feats, weight, bias, plan: ConvPlan, algo: str, allow_tf32: bool):
+    def forward(ctx, feats, weight, bias, plan: ConvPlan, algo: str, allow_tf32: bool,
+                cast: torch.dtype | None = None):
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        if cast is not None:
+            weight = weight.to(cast)
+            bias = bias.to(cast) if bias is not None else None
         out = conv_forward(feats, weight, bias, plan, algo, allow_tf32)
         ctx.save_for_backward(feats, weight)
         ctx.plan, ctx.algo, ctx.allow_tf32, ctx.has_bias = plan, algo, allow_tf32, bias is not None
@@ -294,14 +308,16 @@ class SparseConvFunction(torch.autograd.Function):
                                      allow_tf32)
         if ctx.needs_input_grad[1]:
             part_algo = resolve_algo(algo, "wgrad", plan.num_pairs, ci, co, v, dtype)
-            grad_weight = wgrad(grad_out, feats, plan, weight.shape, part_algo, allow_tf32)
+            grad_weight = wgrad(grad_out, feats, plan, weight.shape, part_algo, allow_tf32,
+                                out_dtype=ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.sum(0, dtype=torch.float64 if feats.dtype == torch.float64
-                                     else torch.float32).to(feats.dtype)
-        return grad_feats, grad_weight, grad_bias, None, None, None
+                                     else torch.float32).to(ctx.bias_dtype)
+        return grad_feats, grad_weight, grad_bias, None, None, None, None
 
 
-def _check(feats, plan, weight, bias, algo):
+def _check(feats, plan, weight, bias, algo, cast: torch.dtype | None = None):
+    """cast: the autocast dtype weight and bias will be cast to (their own dtype then free)."""
     if not isinstance(plan, ConvPlan):
         raise TypeError(f"plan must be a ConvPlan, got {type(plan).__name__}")
     if algo != AUTO and algo not in ALGORITHMS:
@@ -311,19 +327,20 @@ def _check(feats, plan, weight, bias, algo):
                          f"{tuple(feats.shape) if isinstance(feats, torch.Tensor) else type(feats)}")
     if feats.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise TypeError(f"feats must be float16, bfloat16, float32 or float64, got {feats.dtype}")
-    kernel = plan.geometry.kernel_size
-    if weight.dim() != 5:
-        raise ValueError(f"weight must have shape [Co, Kx, Ky, Kz, Ci], got {tuple(weight.shape)}")
-    if tuple(weight.shape[1:4]) != kernel:
-        raise ValueError(f"weight kernel size {tuple(weight.shape[1:4])} does not match the "
+    kernel = plan.geometry.kernel_size  # 3 axes, or 4 for a 4D plan (ConvGeometry4d)
+    if weight.dim() != len(kernel) + 2:
+        axes = "Kx, Ky, Kz" if len(kernel) == 3 else "K0, K1, K2, K3"
+        raise ValueError(f"weight must have shape [Co, {axes}, Ci], got {tuple(weight.shape)}")
+    if tuple(weight.shape[1:-1]) != kernel:
+        raise ValueError(f"weight kernel size {tuple(weight.shape[1:-1])} does not match the "
                          f"plan's kernel_size {kernel}")
-    if feats.shape[1] != weight.shape[4]:
+    if feats.shape[1] != weight.shape[-1]:
         raise ValueError(f"feats has {feats.shape[1]} channels but weight expects "
-                         f"Ci = {weight.shape[4]} (weight shape {tuple(weight.shape)})")
+                         f"Ci = {weight.shape[-1]} (weight shape {tuple(weight.shape)})")
     if feats.shape[0] != plan.num_in:
         raise ValueError(f"feats has {feats.shape[0]} rows but the plan expects "
                          f"{plan.num_in} input voxels")
-    if weight.dtype != feats.dtype:
+    if cast is None and weight.dtype != feats.dtype:
         raise TypeError(f"weight dtype {weight.dtype} differs from feats dtype {feats.dtype}: "
                         "cast the model or the features (e.g. model.half()), or run under "
                         "torch.autocast, which casts both")
@@ -335,7 +352,7 @@ def _check(feats, plan, weight, bias, algo):
     if bias is not None:
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
-        if bias.dtype != feats.dtype or bias.device != feats.device:
+        if (cast is None and bias.dtype != feats.dtype) or bias.device != feats.device:
             raise TypeError(f"bias ({bias.dtype}, {bias.device}) must match feats "
                             f"({feats.dtype}, {feats.device})")
 
@@ -359,7 +376,8 @@ def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
                 allow_tf32: bool | None = False) -> torch.Tensor:
     """Sparse 3D convolution of feats [N_in, Ci] over `plan`; returns [N_out, Co].
 
-    weight: [Co, Kx, Ky, Kz, Ci] (the plan's kernel size); bias: [Co] or None.
+    weight: [Co, Kx, Ky, Kz, Ci] (the plan's kernel size; a 4D plan's: [Co, K0, K1, K2, K3, Ci]);
+    bias: [Co] or None.
     algo: "auto" or one of ALGORITHMS.
     float32: by default fp32-grade products on tensor cores (3xTF32 on NVIDIA: each operand
     split into a TF32 high and low part, three TF32 products; IEEE multiply-adds on ROCm).
@@ -376,20 +394,32 @@ def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
         allow_tf32 = torch.backends.cudnn.allow_tf32
     cast = _autocast_dtype(feats)
     if cast is not None:
-        feats, weight = feats.to(cast), weight.to(cast)
-        bias = bias.to(cast) if bias is not None else None
-    _check(feats, plan, weight, bias, algo)
-    co, ci = weight.shape[0], weight.shape[4]
+        feats = feats.to(cast)
+    _check(feats, plan, weight, bias, algo, cast)
+    co, ci = weight.shape[0], weight.shape[-1]  # (a 4D plan's weight has 6 axes)
     w = weight.reshape(co, -1, ci).contiguous()
     b = bias.contiguous() if bias is not None else None
-    # Under autocast the op's own torch ops (sums, explicit GEMMs) must not cast again.
-    scope = (torch.autocast(feats.device.type, enabled=False) if cast is not None
-             else contextlib.nullcontext())
     # Nothing to differentiate (inference, no_grad): the forward without autograd's node and
     # saved tensors (host time per call in a host-bound step).
     differentiable = torch.is_grad_enabled() and (
         feats.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
-    with on_device_of(feats), scope:
-        if not differentiable:
-            return conv_forward(feats.contiguous(), w, b, plan, algo, bool(allow_tf32))
-        return SparseConvFunction.apply(feats.contiguous(), w, b, plan, algo, bool(allow_tf32))
+    device_type = feats.device.type
+    with on_device_of(feats):
+        if cast is None:
+            if not differentiable:
+                return conv_forward(feats.contiguous(), w, b, plan, algo, bool(allow_tf32))
+            return SparseConvFunction.apply(feats.contiguous(), w, b, plan, algo,
+                                            bool(allow_tf32))
+        # Under autocast the op's own torch ops (sums, explicit GEMMs with out=) must not cast
+        # again: autocast off for the call (the flag itself: torch.autocast(enabled=False) as a
+        # context costs more host time than the rest of a small conv's Python).
+        torch.set_autocast_enabled(device_type, False)
+        try:
+            if not differentiable:
+                return conv_forward(feats.contiguous(), w.to(cast),
+                                    None if b is None else b.to(cast), plan, algo,
+                                    bool(allow_tf32))
+            return SparseConvFunction.apply(feats.contiguous(), w, b, plan, algo,
+                                            bool(allow_tf32), cast)
+        finally:
+            torch.set_autocast_enabled(device_type, True)

@@ -1,0 +1,159 @@
+"""Issue #21's ratios, measured against this host's noise: flexplan in fp16, amp-fp16, bf16 and
+fp32 and spconv in fp16, amp-fp16 and fp32, taking turns step by step in one process.
+
+bench_e2e.py runs each (mode, phase, coords) row once, minutes apart from the row it is compared
+with; on hosts whose speed drifts +-30% between minutes, a 10% target cannot be read from that.
+Here every run of one (network, phase, coords) cell has its own model and the runs take turns
+step by step, so a ratio compares steps taken milliseconds apart.
+
+Usage (GPU): python3 scripts/bench_precision.py [--steps 30] [--warmup 8]
+             [--networks encoder,unet] [--phases train,infer] [--coords fresh,same]
+Writes scripts/results/bench_precision.md.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+
+import bench_e2e as e2e  # noqa: E402
+
+RESULTS = SCRIPTS / "results" / "bench_precision.md"
+RUNS = (("flexplan", "fp16"), ("flexplan", "amp-fp16"), ("flexplan", "bf16"),
+        ("flexplan", "fp32"), ("spconv", "fp16"), ("spconv", "amp-fp16"), ("spconv", "fp32"))
+# (label with the issue's bound, numerator run, denominator run): step-time ratios.
+RATIOS = (
+    ("flexplan amp-fp16 / fp16 (<= 1.10)", ("flexplan", "amp-fp16"), ("flexplan", "fp16")),
+    ("flexplan bf16 / fp16 (<= 1.10)", ("flexplan", "bf16"), ("flexplan", "fp16")),
+    ("spconv fp32 / flexplan fp32 (>= 1.2, train)", ("spconv", "fp32"), ("flexplan", "fp32")),
+    ("spconv fp16 / flexplan fp16", ("spconv", "fp16"), ("flexplan", "fp16")),
+    ("spconv amp / flexplan amp", ("spconv", "amp-fp16"), ("flexplan", "amp-fp16")),
+)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--networks", default="encoder,unet")
+    p.add_argument("--phases", default="train,infer")
+    p.add_argument("--coords", default="fresh,same")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args()
+    for name in ("networks", "phases", "coords"):
+        setattr(args, name, [v for v in getattr(args, name).split(",") if v])
+    args.batch, args.seed = 2, 0
+    return args
+
+
+def paired(cell: dict, a, b) -> float | None:
+    """Median over steps of a's step time / b's step time at the same step index (the two
+    ran within milliseconds of each other, on this host's speed of that moment)."""
+    if a not in cell or b not in cell:
+        return None
+    return statistics.median(x / y for x, y in zip(cell[a], cell[b]))
+
+
+def run_cell(ctx, source, net_cls, state, phase: str, coords: str, args, errors: list) -> dict:
+    """Every run of RUNS on its own model, step by step in turn: step i of each run, in an
+    order rotated with i, then step i + 1. Fresh: each run has batches of its own (flexplan's
+    runs must not find each other's plans); same: one batch for all. Returns run -> [ms]."""
+    n = args.warmup + args.steps
+    shared = source.take(1, torch.float32) * n if coords == "same" else None
+    runs = {}
+    for impl, mode_name in RUNS:
+        mode = e2e.MODES[mode_name]
+        base = shared if shared is not None else source.take(n, torch.float32)
+        batches = [b._replace(features=b.features.to(mode.input_dtype)) for b in base]
+        sp = ctx.namespaces[impl]
+        try:
+            net = e2e.build_model(net_cls, sp, state, mode, ctx.sizes, ctx.device)
+            step = e2e.STEP_FNS[phase](net, sp, mode, ctx.device)
+            e2e.timed(step, batches[:args.warmup], ctx.device)
+        except Exception as exc:
+            errors.append(f"{impl} {mode_name} {phase} {coords}: {e2e.short_error(exc)}")
+            continue
+        runs[(impl, mode_name)] = (step, batches[args.warmup:])
+    before = e2e.kernel_snapshot(ctx.kernels)
+    times = {run: [] for run in runs}
+    order = list(runs)
+    for i in range(args.steps):
+        shift = i % len(order)
+        for run in order[shift:] + order[:shift]:
+            step, batches = runs[run]
+            times[run].extend(e2e.timed(step, [batches[i]], ctx.device))
+    compiles = e2e.compile_delta(before, e2e.kernel_snapshot(ctx.kernels))["compiles"]
+    if compiles:
+        errors.append(f"{phase} {coords}: {compiles} flexplan compilations in timed steps")
+    return times
+
+
+def main() -> int:
+    args = parse_args()
+    plan_dir = e2e.use_fresh_cache_root()
+    from bench_common import today
+    from e2e_networks import NETWORKS
+
+    device = torch.device("cuda")
+    namespaces, spconv_version = e2e.load_namespaces(False)
+    sizes = e2e.sizes_for(False)
+    ctx = e2e.Context(args, sizes, device, namespaces, plan_dir, e2e.flexplan_jit_functions())
+    versions = e2e.versions_of(device, spconv_version)
+    source = e2e.BatchSource(args, sizes, device)
+    cells: dict = {}  # (network, phase, coords) -> run -> [ms per step]
+    errors: list[str] = []
+    for net_name in args.networks:
+        net_cls = NETWORKS[net_name]
+        torch.manual_seed(0)
+        state = copy.deepcopy(net_cls(namespaces["spconv"], base=sizes.base).to(device).state_dict())
+        for phase in args.phases:
+            for coords in args.coords:
+                cell = run_cell(ctx, source, net_cls, state, phase, coords, args, errors)
+                cells[(net_name, phase, coords)] = cell
+                print(f"{net_name} {phase} {coords}: " + ", ".join(
+                    f"{i}/{m} {statistics.median(v):.1f}" for (i, m), v in cell.items()), flush=True)
+
+    lines = [f"# Precision modes side by side: flexplan vs spconv, step by step in turn ({today()})", "",
+             f"{versions['gpu']}; torch {versions['torch']}, Triton {versions['triton']}, spconv "
+             f"{versions['spconv']}; flexplan {versions['flexplan']}. Host: {versions['host']}. "
+             f"AOT bundles: {versions['aot_bundles']}.",
+             f"bench_e2e's networks and LiDAR batches (2 scans, ~110k voxels). Each run (library, "
+             f"mode) has its own model; after {args.warmup} warm-up steps each, the runs take "
+             f"turns step by step ({args.steps} steps each, the order rotated every step), so all "
+             "see the host's speed of the same seconds. fresh: every run its own new batches; "
+             "same: one batch for all. Cells: median ms (p25-p75).", "",
+             "| network | step | coords | " + " | ".join(f"{i} {m}" for i, m in RUNS) + " |",
+             "|---|---|---|" + "---|" * len(RUNS)]
+    for (net, phase, coords), cell in cells.items():
+        row = []
+        for run in RUNS:
+            v = sorted(cell.get(run, []))
+            row.append(f"{statistics.median(v):.1f} ({v[len(v) // 4]:.1f}-{v[3 * len(v) // 4]:.1f})"
+                       if v else "-")
+        lines.append(f"| {net} | {phase} | {coords} | " + " | ".join(row) + " |")
+    lines += ["", "Ratios: median over steps of the two runs' step-time ratio at the same step.", "",
+              "| network | step | coords | " + " | ".join(r[0] for r in RATIOS) + " |",
+              "|---|---|---|" + "---|" * len(RATIOS)]
+    for (net, phase, coords), cell in cells.items():
+        vals = [paired(cell, a, b) for _, a, b in RATIOS]
+        lines.append(f"| {net} | {phase} | {coords} | " +
+                     " | ".join("-" if v is None else f"{v:.2f}" for v in vals) + " |")
+    lines += ["", "Errors and compilations in timed steps: " + ("; ".join(errors) if errors else "none")]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).write_text(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], Path(args.out).name).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -182,24 +182,25 @@ def test_transposed_4d_matches_dense(device):
     _check_grads(x, out, ref, dense_in, [(layer.weight, w)], gen)
 
 
-def test_pools_4d_match_dense():
+def test_pools_4d_match_dense(device):
     """SparseMaxPool4d (spconv's max: floored at 0) and SparseAvgPool4d (over the voxels
     present): dense max / sum over each time tap's 3D windows; the avg's input gradient."""
     gen = torch.Generator().manual_seed(6)
     idx = coords4d(60, 7)
     feats = torch.randn(idx.shape[0], 2, dtype=torch.float64, generator=gen)
-    x = spconv.SparseConvTensor(feats.clone().requires_grad_(), idx, SHAPE4, BATCH)
+    leaf = feats.to(device).requires_grad_()
+    x = spconv.SparseConvTensor(leaf, idx.to(device), SHAPE4, BATCH)
     with torch.no_grad():  # inference plans: the inverse conv makes its map from the pool's
         mx = spconv.SparseMaxPool4d(2, indice_key="p")(x)
-        back = spconv.SparseInverseConv4d(2, 1, 2, indice_key="p").double()(mx)
-    assert torch.equal(back.indices, idx)  # a pool's key inverts like a conv's
+        back = spconv.SparseInverseConv4d(2, 1, 2, indice_key="p").double().to(device)(mx)
+    assert torch.equal(back.indices.cpu(), idx)  # a pool's key inverts like a conv's
     dense = dense_of(feats, idx)
     # kernel 2, stride 2: one time window (t 0..1), 2^3 spatial windows; zero-filled absent
     # sites make the dense max max(0, window max) where a site is absent, and relu does elsewhere
     windows = dense[:, :, :2].unfold(3, 2, 2).unfold(4, 2, 2).unfold(5, 2, 2)
     ref = windows.amax(dim=(2, -3, -2, -1)).unsqueeze(2).relu()        # [B, C, 1, 2, 2, 2]
     assert mx.spatial_shape == (1, 2, 2, 2)
-    torch.testing.assert_close(mx.features, at(ref, mx.indices))
+    torch.testing.assert_close(mx.features.cpu(), at(ref, mx.indices.cpu()))
     kernel, stride, padding = (3, 1, 3, 1), (2, 1, 2, 1), (1, 0, 1, 0)
     avg = spconv.SparseAvgPool4d(kernel, stride, padding)(x)
     eye = torch.eye(2, dtype=torch.float64).reshape(2, 1, 1, 1, 1, 2).expand(2, *kernel, 2)
@@ -207,12 +208,12 @@ def test_pools_4d_match_dense():
     count = conv4d(dense_of(torch.ones(idx.shape[0], 1, dtype=torch.float64), idx),
                    torch.ones(1, *kernel, 1, dtype=torch.float64), stride, padding, (1,) * 4)
     ref = conv4d(dense_in, eye, stride, padding, (1,) * 4) / count.clamp(min=1)
-    assert torch.equal((count[:, 0] > 0).nonzero().to(torch.int32), avg.indices)
-    torch.testing.assert_close(avg.features, at(ref, avg.indices))
+    assert torch.equal((count[:, 0] > 0).nonzero().to(torch.int32), avg.indices.cpu())
+    torch.testing.assert_close(avg.features.cpu(), at(ref, avg.indices.cpu()))
     grad = torch.randn(avg.features.shape, dtype=torch.float64, generator=gen)
-    avg.features.backward(grad)
-    (want,) = torch.autograd.grad(ref, dense_in, _put(torch.zeros_like(ref), avg.indices, grad))
-    torch.testing.assert_close(x.features.grad, at(want, idx))
+    avg.features.backward(grad.to(device))
+    (want,) = torch.autograd.grad(ref, dense_in, _put(torch.zeros_like(ref), avg.indices.cpu(), grad))
+    torch.testing.assert_close(leaf.grad.cpu(), at(want, idx))
 
 
 def test_4d_tensor_api_and_checks():

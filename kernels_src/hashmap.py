@@ -55,25 +55,26 @@ def _voxel_key(b, x, y, z, size_x, size_y, size_z, KEY_64: tl.constexpr):
 # map tensors (own allocations). Not specialized (they vary from call to call, and the kernels
 # only do arithmetic or scalar accesses with them): the row count, the slot mask (the table's
 # size follows it), the batch size (1 would compile its own binary), the grid extents (a job may
-# pass each batch's own), the coords (the caller's tensor, maybe a view) and the problem slots
-# (a view behind the table, at a size-dependent place).
-@triton.jit(do_not_specialize=["coords", "n", "slot_mask", "problems", "batch_size", "size_x",
-                               "size_y", "size_z"])
-def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, problems, nmap,
-                       batch_size, size_x, size_y, size_z, V: tl.constexpr,
-                       KEY_64: tl.constexpr, BLOCK: tl.constexpr):
+# pass each batch's own) and the coords (the caller's tensor, maybe a view).
+@triton.jit(do_not_specialize=["coords", "n", "slot_mask", "batch_size", "size_x", "size_y",
+                               "size_z"])
+def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, nmap, batch_size, size_x,
+                       size_y, size_z, V: tl.constexpr, KEY_64: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """Insert key(coords[i]) -> i for the rows inside the grid, and note what is wrong with the
-    input: problems[0] gets the smallest row outside [0, batch_size) x grid, problems[1] the
-    smallest row whose key was already in (a duplicate; the stored value stays), each as
-    n - 1 - row by atomic max, so that they start at -1 (none) like an empty slot: the table's
-    fill covers them. int64 keys: keys in table_keys, values in table_vals; int32 keys: packed
-    in table_keys.
+    input in the problem slots right after the table's slot_mask + 1 slots: problems[0] gets
+    the smallest row outside [0, batch_size) x grid, problems[1] the smallest row whose key was
+    already in (a duplicate; the stored value stays), each as n - 1 - row by atomic max, so
+    that they start at -1 (none) like an empty slot: the table's fill covers them. (Found
+    from the table: the caller makes no view of them for this launch.) int64 keys: keys in
+    table_keys, values in table_vals; int32 keys: packed in table_keys.
 
     Also starts the neighbour map nmap [n, V] of these rows (the lookups write only hits):
     MISSING everywhere but the centre column, which is the row itself.
     """
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < n
+    problems = table_keys + slot_mask + 1
     base = coords + rows.to(tl.int64) * 4
     b = tl.load(base, mask=live, other=0)
     x = tl.load(base + 1, mask=live, other=0)

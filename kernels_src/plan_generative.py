@@ -11,6 +11,8 @@ outputs, with no hash table and no unique().
 import triton
 import triton.language as tl
 
+from .plan_segments import _exclusive_prefix
+
 MISSING = tl.constexpr(-1)
 
 
@@ -33,8 +35,8 @@ def _output_axis(c, S: tl.constexpr, P: tl.constexpr, K: tl.constexpr, D: tl.con
 # and candidate counts, the grid extents (a job may pass each batch's own) and the caller's
 # coords (maybe a view; read one value at a time). The constexprs and the alignment of the
 # kernels' own allocations are.
-@triton.jit(do_not_specialize=["coords", "n", "size_x", "size_y", "size_z"])
-def generative_candidates_kernel(coords, keys, taps, n, size_x, size_y, size_z,
+@triton.jit(do_not_specialize=["coords", "n", "padded", "size_x", "size_y", "size_z"])
+def generative_candidates_kernel(coords, keys, taps, n, padded, size_x, size_y, size_z,
                                  KX: tl.constexpr, KY: tl.constexpr, KZ: tl.constexpr,
                                  SX: tl.constexpr, SY: tl.constexpr, SZ: tl.constexpr,
                                  PX: tl.constexpr, PY: tl.constexpr, PZ: tl.constexpr,
@@ -42,8 +44,10 @@ def generative_candidates_kernel(coords, keys, taps, n, size_x, size_y, size_z,
                                  T: tl.constexpr, TRANSPOSED: tl.constexpr, SENT: tl.constexpr,
                                  BLOCK: tl.constexpr):
     """keys[i * T + j], taps[i * T + j]: the output key and tap of row i's j-th candidate (taps
-    ascending), SENT in the slots past its last. Keys pack (b, x, y, z) row-major over the
-    output grid (planner/keys.py), in keys' dtype. Grid: blocks of BLOCK rows."""
+    ascending), SENT in the slots past its last, and in keys [n * T, padded) (padded <= 2 n T:
+    the padding of a sort of a fixed size, flexplan/planner/rank_sort.py). Keys pack
+    (b, x, y, z) row-major over the output grid (planner/keys.py), in keys' dtype. Grid:
+    blocks of BLOCK rows."""
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = rows < n
@@ -67,20 +71,35 @@ def generative_candidates_kernel(coords, keys, taps, n, size_x, size_y, size_z,
                 count += ok.to(tl.int32)
     for j in tl.static_range(T):
         tl.store(keys + rows * T + j, tl.full([BLOCK], SENT, KT), mask=live & (j >= count))
+        pad = (n + rows) * T + j  # this program's share of the padding (int64: rows is)
+        tl.store(keys + pad, tl.full([BLOCK], SENT, KT), mask=pad < padded)
 
 
-@triton.jit(do_not_specialize=["total"])
-def run_starts_kernel(sorted_keys, starts, totals, total, SENT: tl.constexpr, BLOCK: tl.constexpr):
-    """starts[j] = 1 where sorted candidate j starts a run of equal keys (an output row), else
-    0; totals[1] = the number of candidates (entries before the first SENT), left as it was
-    when there are none. Grid: blocks of BLOCK entries."""
-    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+# Not specialized: the candidate count and the places and number of the scan's tiles.
+@triton.jit(do_not_specialize=["total", "state_at", "tiles"])
+def run_starts_kernel(sorted_keys, rank, totals, total, state_at, tiles, SENT: tl.constexpr,
+                      BLOCK: tl.constexpr, LOOK_BACK: tl.constexpr):
+    """rank[j] = the runs of equal sorted keys (output rows) that start at or before candidate j
+    (the inclusive scan of the run starts: j's output row is rank[j] - 1); totals[0] = the
+    output rows (the last tile writes it); totals[1] = the number of candidates (entries
+    before the first SENT), left as it was when there are none. Tiles of BLOCK entries, taken
+    in ticket order and scanned in this one launch by a decoupled look-back (plan_segments.py)
+    whose state is at totals + state_at: one int64 per tile, then the ticket, all -1 before
+    the launch. Grid: `tiles` programs (cdiv(total, BLOCK))."""
+    state = totals + state_at
+    tile = tl.atomic_add(state + tiles, 1) + 1
+    j = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = j < total
     key = tl.load(sorted_keys + j, mask=live, other=SENT)
     prev = tl.load(sorted_keys + j - 1, mask=live & (j > 0), other=SENT)
     nxt = tl.load(sorted_keys + j + 1, mask=j + 1 < total, other=SENT)
     real = key != SENT
-    tl.store(starts + j, (real & ((j == 0) | (key != prev))).to(tl.int32), mask=live)
+    start = (real & ((j == 0) | (key != prev))).to(tl.int32)
+    count = tl.sum(start.to(tl.int64)[None, :], axis=1)  # [1]: one look-back column
+    prefix = tl.sum(_exclusive_prefix(state, tile, count, 1, 1, LOOK_BACK))
+    tl.store(rank + j, (prefix + tl.cumsum(start, 0)).to(tl.int32), mask=live)
+    if tile == tiles - 1:
+        tl.store(totals, prefix + tl.sum(start.to(tl.int64)))
     last = real & (nxt == SENT)  # at most one entry: the last real candidate
     tl.store(totals + 1 + j * 0, j + 1, mask=live & last)
 

@@ -60,11 +60,11 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training) -
         # The schedule's sizes and state ride behind the problems, filled with the hash table
         # and read back with the problems in one sync.
         layout = schedule_layout(coords.shape[0], geometry.volume, PLAN_BLOCK_SIZES, signal_offsets)
+        # (checked before: the flags are not read, the problems start at the schedule's slots)
         nmap, problems = submanifold_neighbor_map_triton(coords, shape, batch_size, geometry,
-                                                         spare_slots=layout.readback_slots)
+                                                         spare_slots=layout.readback_slots,
+                                                         flags=check)
     num_flags = 0 if problems is None or not check else PROBLEM_SLOTS
-    if problems is not None and not check:  # checked before: the flags are not read
-        problems = problems[PROBLEM_SLOTS:]
     # Nothing to read back without flags and pairs: an unchecked inference build makes no host
     # sync at all (its valid_kernel lengths stay on the device, plan.BlockRuns).
     fwd, signal, flag_values = plan_schedule(

@@ -2,9 +2,10 @@
 the candidates and one host sync (kernels: kernels_src/plan_generative.py).
 
     candidates   (input row, tap) -> output key, T slots per row       one launch
-    sort         by key (torch.sort; equal keys: one output row)        CUB
-    run starts   + the number of candidates                             one launch
-    scan         output row of each candidate (inclusive cumsum)        one op
+    sort         by key (equal keys: one output row; a captured         CUB (a graph replay
+                 sort for small builds, rank_sort.py)                   for small builds)
+    run starts   output row of each candidate (their scan), the         one launch
+                 numbers of output rows and of candidates
     bwd map      input rows gather output rows                          one launch
     bwd schedule (segments_triton) whose one sync also reads the output
                  and candidate counts
@@ -12,7 +13,12 @@ the candidates and one host sync (kernels: kernels_src/plan_generative.py).
     fwd schedule (segments_triton, no sync of its own: the pair count is known)
 
 Same plans as generative.generative_plan (the test oracle): outputs in ascending key order,
-pairs grouped by tap.
+pairs grouped by tap. (The order of equal keys after the sort does not matter: each candidate
+writes its own map entry, and an output row's coordinates are its key.)
+
+All readbacks share one int64 buffer, filled with -1 once: the totals, the bwd schedule's
+slots, room for the fwd schedule's (whose rows are not known until the sync), the run starts'
+scan state.
 """
 from __future__ import annotations
 
@@ -27,10 +33,14 @@ from ..launch_spec import INT32, INT64, KEYS, SIZE
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, signal_fields
 from .keys import key_dtype
-from .segments_triton import plan_schedule_triton, schedule_layout
+from .rank_sort import CANDIDATES, rank_sorter
+from .segments_triton import plan_schedule_triton, readback_bound, schedule_layout
 
 CANDIDATES_LAUNCH = dict(BLOCK=64, num_warps=2)
 ENTRIES_LAUNCH = dict(BLOCK=1024, num_warps=4)
+# The run starts' scan: tiles of ENTRIES_LAUNCH's BLOCK, look-back windows as the schedule's
+# (segments_triton.SCHEDULE_LAUNCH).
+RUN_STARTS_LAUNCH = dict(ENTRIES_LAUNCH, LOOK_BACK=128)
 TRANSPOSE_LAUNCH = dict(MISSING=MISSING, BLOCK=1024, num_warps=4)
 # The sort's sentinel per key dtype: above every packed key (key_dtype keeps int32 keys below it).
 SENTINEL = {torch.int32: 2**31 - 1, torch.int64: 2**63 - 1}
@@ -58,24 +68,33 @@ def candidate_slots(geometry: ConvGeometry) -> int:
 # Launch descriptions: each launch written once (flexplan/launch_spec.py), for the planner below
 # and the AOT build (flexplan/aot/variants.py), which records them with example arguments.
 
-def launch_candidates(run, coords: INT32, keys: KEYS, taps: INT32, n: SIZE, size_x: SIZE,
-                      size_y: SIZE, size_z: SIZE, geometry: ConvGeometry, slots: int,
-                      sent: int) -> None:
+def launch_candidates(run, coords: INT32, keys: KEYS, taps: INT32, n: SIZE, padded: SIZE,
+                      size_x: SIZE, size_y: SIZE, size_z: SIZE, geometry: ConvGeometry,
+                      slots: int, sent: int) -> None:
     """keys, taps [n * slots]: the candidates of coords' n rows on the output grid (slots:
-    candidate_slots(geometry); sent: SENTINEL of the keys' dtype)."""
+    candidate_slots(geometry); sent: SENTINEL of the keys' dtype), keys padded with sent up to
+    `padded` (at most twice n * slots)."""
     (kx, ky, kz), (sx, sy, sz) = geometry.kernel_size, geometry.stride
     (px, py, pz), (dx, dy, dz) = geometry.padding, geometry.dilation
     run(kernels.generative_candidates_kernel, (-(-n // CANDIDATES_LAUNCH["BLOCK"]),), coords,
-        keys, taps, n, size_x, size_y, size_z, KX=kx, KY=ky, KZ=kz, SX=sx, SY=sy, SZ=sz, PX=px,
-        PY=py, PZ=pz, DX=dx, DY=dy, DZ=dz, T=slots, TRANSPOSED=geometry.transposed, SENT=sent,
-        **CANDIDATES_LAUNCH)
+        keys, taps, n, padded, size_x, size_y, size_z, KX=kx, KY=ky, KZ=kz, SX=sx, SY=sy, SZ=sz,
+        PX=px, PY=py, PZ=pz, DX=dx, DY=dy, DZ=dz, T=slots, TRANSPOSED=geometry.transposed,
+        SENT=sent, **CANDIDATES_LAUNCH)
 
 
-def launch_run_starts(run, sorted_keys: KEYS, starts: INT32, totals: INT64, total: SIZE,
-                      sent: int) -> None:
-    """starts [total]: where a run of equal sorted keys begins; totals[1]: the candidates."""
-    run(kernels.run_starts_kernel, (-(-total // ENTRIES_LAUNCH["BLOCK"]),), sorted_keys, starts,
-        totals, total, SENT=sent, **ENTRIES_LAUNCH)
+def run_starts_tiles(total: int) -> int:
+    """The tiles (programs) of the run starts' scan of `total` candidates."""
+    return -(-total // RUN_STARTS_LAUNCH["BLOCK"])
+
+
+def launch_run_starts(run, sorted_keys: KEYS, rank: INT32, totals: INT64, total: SIZE,
+                      state_at: SIZE, sent: int) -> None:
+    """rank [total]: each sorted candidate's output row + 1 (the scan of where runs of equal
+    keys begin); totals[0]: the output rows, totals[1]: the candidates. The scan's state:
+    run_starts_tiles(total) + 1 entries of totals from state_at on, all -1."""
+    tiles = run_starts_tiles(total)
+    run(kernels.run_starts_kernel, (tiles,), sorted_keys, rank, totals, total, state_at, tiles,
+        SENT=sent, **RUN_STARTS_LAUNCH)
 
 
 def launch_scatter(run, sorted_keys: KEYS, order: INT64, rank: INT32, taps: INT32, bwd: INT32,
@@ -107,39 +126,40 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
     kdtype = key_dtype(out_shape, batch_size)
     sent = SENTINEL[kdtype]
     total = n * slots
-    keys = torch.empty(total, dtype=kdtype, device=device)
-    taps = torch.empty(total, dtype=torch.int32, device=device)
-    launch_candidates(launch, coords, keys, taps, n, *out_shape, geometry, slots, sent)
-    sorted_keys, order = torch.sort(keys)
-    del keys
-    # The bwd schedule's readback, with the two totals in front (its sync reads them all).
+    # The bwd schedule's layout (its rows: the inputs), and the readbacks' places (the module's
+    # docstring): the bwd schedule's slots follow the totals, as its flags.
     layout = schedule_layout(n, v, PLAN_BLOCK_SIZES, 0) if training else None
-    readback = torch.full((TOTALS + (layout.readback_slots if training else 0),), -1,
-                          dtype=torch.int64, device=device)
-    starts = torch.empty(total, dtype=torch.int32, device=device)
-    launch_run_starts(launch, sorted_keys, starts, readback, total, sent)
-    rank = torch.cumsum(starts, 0, dtype=torch.int32)
-    del starts
-    readback[:1].copy_(rank[-1:])  # output rows: the last inclusive count
-    scatter = (sorted_keys, order, rank, taps)
-    if training:
-        bwd = torch.full((n, v), MISSING, dtype=torch.int32, device=device)
-        launch_scatter(launch, *scatter, bwd, bwd, coords, total, n, *out_shape, slots, v, sent,
-                       False)
-        bwd_map, _, (n_out, pairs) = plan_schedule_triton(bwd, PLAN_BLOCK_SIZES, 0, readback,
-                                                          TOTALS, layout)
-    else:
-        bwd_map = None
-        n_out, pairs = readback.tolist()  # the one host sync
-    pairs = max(pairs, 0)  # -1: no candidate at all
-    fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=device)
-    out_coords = torch.empty((n_out, 4), dtype=torch.int32, device=device)
-    if pairs:
-        launch_scatter(launch, *scatter, fwd, fwd, out_coords, total, n, *out_shape, slots, v,
-                       sent, True)
+    fwd_at = TOTALS + (layout.readback_slots if training else 0)
+    state_at = fwd_at + readback_bound(total, PLAN_BLOCK_SIZES, v if training else 0)
+    readback = torch.full((state_at + run_starts_tiles(total) + 1,), -1, dtype=torch.int64,
+                          device=device)
+    taps = torch.empty(total, dtype=torch.int32, device=device)
+    rank = torch.empty(total, dtype=torch.int32, device=device)
+    # A captured sort's keys and outputs are ours until the last scatter is queued.
+    with rank_sorter(total, 1, kdtype, device, CANDIDATES) as sorter:
+        launch_candidates(launch, coords, sorter.keys, taps, n, sorter.size, *out_shape, geometry,
+                          slots, sent)
+        sorted_keys, order = sorter.sort()
+        launch_run_starts(launch, sorted_keys, rank, readback, total, state_at, sent)
+        scatter = (sorted_keys, order, rank, taps)
+        if training:
+            bwd = torch.full((n, v), MISSING, dtype=torch.int32, device=device)
+            launch_scatter(launch, *scatter, bwd, bwd, coords, total, n, *out_shape, slots, v,
+                           sent, False)
+            bwd_map, _, (n_out, pairs) = plan_schedule_triton(bwd, PLAN_BLOCK_SIZES, 0, readback,
+                                                              TOTALS, layout)
+        else:
+            bwd_map = None
+            n_out, pairs = readback[:TOTALS].tolist()  # the one host sync
+        pairs = max(pairs, 0)  # -1: no candidate at all
+        fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=device)
+        out_coords = torch.empty((n_out, 4), dtype=torch.int32, device=device)
+        if pairs:
+            launch_scatter(launch, *scatter, fwd, fwd, out_coords, total, n, *out_shape, slots,
+                           v, sent, True)
     del scatter, sorted_keys, order, rank, taps
     fwd_map, signal, _ = plan_schedule_triton(fwd, PLAN_BLOCK_SIZES, v if training else 0,
-                                              pairs_total=pairs)
+                                              readback[fwd_at:state_at], pairs_total=pairs)
     return ConvPlan(
         geometry=geometry, batch_size=batch_size, in_spatial_shape=tuple(spatial_shape),
         out_spatial_shape=out_shape, num_in=n, num_out=n_out, out_coords=out_coords, fwd=fwd_map,

@@ -30,12 +30,12 @@ PROBLEM_SLOTS = 2
 # and the AOT build (flexplan/aot/variants.py), which records them with example arguments.
 
 def launch_hash_insert(run, table_keys: INT64, table_vals: INT32, coords: INT32, n: SIZE,
-                       slot_mask: SIZE, problems: INT64, nmap: INT32, batch_size: SIZE,
-                       size_x: SIZE, size_y: SIZE, size_z: SIZE, volume: int,
-                       key_64: bool) -> None:
-    """The table of coords' n keys; starts nmap [n, volume] (its centre column)."""
+                       slot_mask: SIZE, nmap: INT32, batch_size: SIZE, size_x: SIZE,
+                       size_y: SIZE, size_z: SIZE, volume: int, key_64: bool) -> None:
+    """The table of coords' n keys, in table_keys' first slot_mask + 1 slots, the input's
+    problems in the PROBLEM_SLOTS after them; starts nmap [n, volume] (its centre column)."""
     run(kernels.hash_insert_kernel, (-(-n // INSERT_LAUNCH["BLOCK"]),), table_keys, table_vals,
-        coords, n, slot_mask, problems, nmap, batch_size, size_x, size_y, size_z, V=volume,
+        coords, n, slot_mask, nmap, batch_size, size_x, size_y, size_z, V=volume,
         KEY_64=key_64, **INSERT_LAUNCH)
 
 
@@ -56,14 +56,15 @@ def table_capacity(n: int) -> int:
 
 
 def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
-                                    batch_size: int, geometry: ConvGeometry, spare_slots: int = 0
-                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                                    batch_size: int, geometry: ConvGeometry, spare_slots: int = 0,
+                                    flags: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(nmap, problems). nmap: int32 [N, V], entry (i, v) is the row at coords[i] + offset v, or
     MISSING. problems: device int64 [PROBLEM_SLOTS + spare_slots]: the first row outside the
     grid and a row whose coordinate another row also has, each as N - 1 - row, -1 where there
     is none (decode with problem_rows), then spare_slots entries for the caller (a schedule's
-    sizes, read back with the problems in one sync). The map only means something when both
-    problems are -1, but it is always safe to read. No host sync."""
+    sizes, read back with the problems in one sync); flags False: only the spare slots (the
+    caller checked the coords before). The map only means something when both problems are
+    -1, but it is always safe to read. No host sync."""
     n, volume = coords.shape[0], geometry.volume
     device = coords.device
     coords = coords.contiguous()
@@ -72,14 +73,14 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     # The slots, then the problems and the spare slots: one fill for all (-1: empty, and none).
     keys = torch.full((capacity + PROBLEM_SLOTS + spare_slots,), EMPTY_KEY, dtype=torch.int64,
                       device=device)
-    problems = keys[capacity:]
+    problems = keys[capacity if flags else capacity + PROBLEM_SLOTS:]
     nmap = torch.empty((n, volume), dtype=torch.int32, device=device)
     # 32-bit keys share their int64 slot with the row: no value table (the kernels never read
     # this one then; nmap stands in, saving an allocation per build).
     values = torch.empty(capacity, dtype=torch.int32, device=device) if key_64 else nmap
     if n:
-        launch_hash_insert(launch, keys, values, coords, n, capacity - 1, problems, nmap,
-                           batch_size, *spatial_shape, volume, key_64)
+        launch_hash_insert(launch, keys, values, coords, n, capacity - 1, nmap, batch_size,
+                           *spatial_shape, volume, key_64)
         if volume > 1:  # (1x1x1: the insert wrote the map's one column)
             launch_neighbor_map(launch, keys, values, coords, nmap, n, capacity - 1, batch_size,
                                 *spatial_shape, geometry, key_64)

@@ -8,11 +8,15 @@ of row counts: the keys are padded to the bucket with the largest word (gray_ran
 the padding), which sorts after every rank; the sort is stable, so the real rows come first and
 in order.
 
-One captured sort per (device, stream, bucket, key dtype), captured the second time a build
-asks for it (a capture costs 1.5-2 ms) and kept until release(), within a budget of keys
-for all of them together (each key costs about 36 bytes with CUB's buffers): builds past the
-budget, like the first of each bucket, sort with torch.sort, so that a workload of many row
-counts never recaptures. A captured sort owns its key buffer and outputs: builds that share
+The strided and transposed plans sort their candidates' output keys the same way (padded with
+their sentinel, which sorts after every key: generative_triton.py), under purpose
+"candidates": a build holding one purpose's sort may ask for the other's.
+
+One captured sort per (device, stream, bucket, key dtype, purpose), captured the second time a
+build asks for it (a capture costs 1.5-2 ms) and kept until release(), within a budget of keys
+per purpose for all of them together (each key costs about 36 bytes with CUB's buffers):
+builds past the budget, like the first of each bucket, sort with torch.sort, so that a
+workload of many row counts never recaptures. A captured sort owns its key buffer and outputs: builds that share
 it hold its lock from writing the keys until the last kernel that reads the sorted outputs is
 queued. FLEXPLAN_SORT_GRAPHS=0 turns captures off.
 """
@@ -31,7 +35,8 @@ SORT_GRAPHS_ENV = "FLEXPLAN_SORT_GRAPHS"
 # sort time outweighs the host's work and the buffers grow.
 MIN_ROWS, MAX_ROWS = 1 << 12, 1 << 20
 BUCKET_STEPS = 4  # buckets per power of two: keys padded by at most 1/4
-KEYS_BUDGET = 1 << 21  # keys of all captured sorts together (about 75 MB)
+KEYS_BUDGET = 1 << 21  # keys of all captured sorts of one purpose together (about 75 MB)
+RANKS, CANDIDATES = "ranks", "candidates"  # the purposes
 
 _sorts: dict = {}  # key -> CapturedSort, or None where the capture failed
 _requested: set = set()  # keys asked for once, not captured yet
@@ -100,27 +105,30 @@ class CapturedSort:
         return self.sorted, self.order
 
 
-def rank_sorter(rows: int, words: int, dtype: torch.dtype,
-                device: torch.device) -> CapturedSort | TorchSort:
+def rank_sorter(rows: int, words: int, dtype: torch.dtype, device: torch.device,
+                purpose: str = RANKS) -> CapturedSort | TorchSort:
     """How to sort the ranks of `rows` rows in `words` words of `dtype`: the captured sort of
     their bucket on the current stream of `device`, for one word and MIN_ROWS to MAX_ROWS rows
     (see the module's docstring for when it is captured), else torch.sort (also inside the
     caller's own graph capture). Its keys are where the ranks go, its size their padded
-    length."""
+    length. purpose: RANKS, or CANDIDATES (the generative plans' keys): separate sorts."""
     if words > 1 or not MIN_ROWS <= rows <= MAX_ROWS or device.type != "cuda" or (
             torch.cuda.is_current_stream_capturing()):  # (no nested capture)
         return TorchSort(rows, words, dtype, device)
-    found = _captured_sort(bucket(rows), dtype, device)
+    found = _captured_sort(bucket(rows), dtype, device, purpose)
     return TorchSort(rows, words, dtype, device) if found is None else found
 
 
-def _captured_sort(size: int, dtype: torch.dtype, device: torch.device) -> CapturedSort | None:
-    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), size, dtype)
+def _captured_sort(size: int, dtype: torch.dtype, device: torch.device,
+                   purpose: str) -> CapturedSort | None:
+    # (the purpose in the key: a build holds its candidates' sort while its ranks are sorted)
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), size, dtype, purpose)
     found = _sorts.get(key)
     if found is not None:
         return found
     with _sorts_lock:
-        held = sum(kept.size for kept in _sorts.values() if kept is not None)
+        held = sum(kept.size for known, kept in _sorts.items()
+                   if kept is not None and known[4] == purpose)
         if key in _sorts or held + size > KEYS_BUDGET or (
                 os.environ.get(SORT_GRAPHS_ENV, "1") == "0"):
             return _sorts.get(key)

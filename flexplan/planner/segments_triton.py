@@ -117,7 +117,20 @@ def schedule_layout(m: int, v: int, block_sizes: tuple[int, ...], signal_offsets
     at += _aligned(signal_offsets + 1) if signal_offsets else 0
     return ScheduleLayout(smallest, levels, row_blocks, entries, chunks, tiles, kernels_at,
                           tuple(kernel_starts), segs_at, seg_runs, signal_seg_at, at,
-                          levels + 1 + chunks * levels + (tiles - chunks) + 1)
+                          _readback_slots(levels, chunks, tiles))
+
+
+def _readback_slots(levels: int, chunks: int, tiles: int) -> int:
+    return levels + 1 + chunks * levels + (tiles - chunks) + 1
+
+
+def readback_bound(m: int, block_sizes: tuple[int, ...], signal_offsets: int) -> int:
+    """ScheduleLayout.readback_slots of any map of at most m rows (they grow with the rows): a
+    caller that learns the rows later sets the room aside in a readback it fills anyway."""
+    levels = block_levels(block_sizes)[1] if block_sizes else 0
+    chunks = cdiv(m, SCHEDULE_LAUNCH["ROWS"]) if levels else 0
+    tiles = chunks + cdiv(signal_offsets * cdiv(m, ROW_BLOCK), SCHEDULE_LAUNCH["PAIR_TILE"])
+    return _readback_slots(levels, chunks, tiles)
 
 
 # Launch descriptions: each launch written once (flexplan/launch_spec.py), for the planner below
@@ -170,7 +183,11 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     if layout is None:
         layout = schedule_layout(m, v, block_sizes, signal_offsets)
     levels, entries = layout.levels, layout.entries
-    counts = torch.empty(max(1, entries), dtype=torch.int32, device=device)
+    # The plan's int32 outputs share one buffer (one allocation, not four).
+    plan_out = torch.empty(max(1, layout.out_size), dtype=torch.int32, device=device)
+    # Without pairs the counts are neither written nor read (no offset gets pairs, no pair
+    # tile runs): the kernels get plan_out in their place, one allocation fewer.
+    counts = (torch.empty(entries, dtype=torch.int32, device=device) if entries else plan_out)
     word_bits, word_dtype, words = rank_words(v)
     # (without block sizes nothing is sorted: the ranks are only computed with the pair counts)
     sorter = (rank_sorter if levels else TorchSort)(m, words, word_dtype, device)
@@ -178,8 +195,6 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         ranks = sorter.keys
         launch_gray_rank(launch, nmap, ranks, counts, m, signal_offsets, sorter.size, v, words,
                          word_bits)
-        # The plan's int32 outputs share one buffer (one allocation, not four).
-        plan_out = torch.empty(max(1, layout.out_size), dtype=torch.int32, device=device)
         if levels:
             sorted_ranks, order = sorter.sort()
             sorted_idx = plan_out[:m]

@@ -76,9 +76,19 @@ def generative_plan(coords: torch.Tensor, spatial_shape: tuple[int, int, int], b
     if geometry.submanifold:
         raise ValueError("generative_plan is for non-submanifold geometries")
     out_shape = output_spatial_shape(spatial_shape, geometry)
+    return plan_from_candidates(
+        coords, tuple(spatial_shape), out_shape, batch_size, geometry, training,
+        pack=lambda c: pack_coords(c, out_shape, batch_size),
+        unpack=lambda k: unpack_keys(k, out_shape))
+
+
+def plan_from_candidates(coords, shape, out_shape, batch_size, geometry, training: bool,
+                         pack, unpack) -> ConvPlan:
+    """The plan whose outputs are the distinct (input row, tap) candidates on out_shape, in
+    ascending key order (pack / unpack: the coordinates' key packing, 3D here or 4D in
+    plan4d.py); the maps straight from the candidates."""
     rows, taps, out_coords = _candidates(coords, geometry, out_shape)
-    keys = pack_coords(out_coords, out_shape, batch_size)
-    out_keys, out_rows = torch.unique(keys, return_inverse=True)
+    out_keys, out_rows = torch.unique(pack(out_coords), return_inverse=True)
     n_in, n_out, v = coords.shape[0], out_keys.numel(), geometry.volume
     fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=coords.device)
     fwd[out_rows, taps] = rows.to(torch.int32)
@@ -89,9 +99,9 @@ def generative_plan(coords: torch.Tensor, spatial_shape: tuple[int, int, int], b
         bwd_map = gather_map(bwd, PLAN_BLOCK_SIZES)
     fwd_map, signal, _ = plan_schedule(fwd, PLAN_BLOCK_SIZES, signal_offsets=v if training else 0)
     return ConvPlan(
-        geometry=geometry, batch_size=batch_size, in_spatial_shape=tuple(spatial_shape),
+        geometry=geometry, batch_size=batch_size, in_spatial_shape=shape,
         out_spatial_shape=out_shape, num_in=n_in, num_out=n_out,
-        out_coords=unpack_keys(out_keys, out_shape), fwd=fwd_map, bwd=bwd_map,
+        out_coords=unpack(out_keys), fwd=fwd_map, bwd=bwd_map,
         **signal_fields(*(signal or (None,) * 3), coords.device, training))
 
 

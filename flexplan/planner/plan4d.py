@@ -20,10 +20,10 @@ from ..device_guard import on_device_of
 from ..geometry4d import ConvGeometry4d
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..plan import MISSING, ConvPlan, mirrored_signal_offsets, signal_fields
-# _candidates and output_spatial_shape read the geometry axis by axis (any number of axes).
-from .generative import _candidates, output_spatial_shape
+# output_spatial_shape and the candidates read the geometry axis by axis (any number of axes).
+from .generative import output_spatial_shape, plan_from_candidates
 from .offsets import kernel_offsets
-from .segments import gather_map, plan_schedule
+from .segments import plan_schedule
 
 
 def build_plan_4d(coords: torch.Tensor, spatial_shape: tuple[int, int, int, int],
@@ -80,19 +80,6 @@ def _generative_plan(coords, shape, batch_size, geometry, training) -> ConvPlan:
     """generative.generative_plan over 4D coords: output coords the distinct (input, tap)
     candidates in ascending (b, d0, d1, d2, d3) order, the maps straight from the candidates."""
     out_shape = output_spatial_shape(shape, geometry)
-    rows, taps, out_coords = _candidates(coords, geometry, out_shape)
-    out_keys, out_rows = torch.unique(pack_keys_4d(out_coords, out_shape), return_inverse=True)
-    n_in, n_out, v = coords.shape[0], out_keys.numel(), geometry.volume
-    fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=coords.device)
-    fwd[out_rows, taps] = rows.to(torch.int32)
-    bwd_map = None
-    if training:
-        bwd = torch.full((n_in, v), MISSING, dtype=torch.int32, device=coords.device)
-        bwd[rows, taps] = out_rows.to(torch.int32)
-        bwd_map = gather_map(bwd, PLAN_BLOCK_SIZES)
-    fwd_map, signal, _ = plan_schedule(fwd, PLAN_BLOCK_SIZES, signal_offsets=v if training else 0)
-    return ConvPlan(
-        geometry=geometry, batch_size=batch_size, in_spatial_shape=shape,
-        out_spatial_shape=out_shape, num_in=n_in, num_out=n_out,
-        out_coords=unpack_keys_4d(out_keys, out_shape), fwd=fwd_map, bwd=bwd_map,
-        **signal_fields(*(signal or (None,) * 3), coords.device, training))
+    return plan_from_candidates(coords, shape, out_shape, batch_size, geometry, training,
+                                pack=lambda c: pack_keys_4d(c, out_shape),
+                                unpack=lambda k: unpack_keys_4d(k, out_shape))

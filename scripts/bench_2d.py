@@ -59,7 +59,9 @@ def main() -> None:
              f"Input: BEV pillars of LiDAR batches of 2 scans, {pillars[0][0].shape[0]} pillars "
              f"(first batch), grid {pillars[0][1]}; {args.warmup} warm-up then {args.steps} timed "
              "calls, median ms, synchronized around each call. fresh: new pillars per call "
-             "(flexplan's plan cache emptied first); same: one batch.", "",
+             "(flexplan's plan cache emptied first); same: one batch. Each call makes the "
+             "SparseConvTensor from the pillars (coordinate check included); the x4 stack runs "
+             "four convs with one indice_key on it, as a BEV backbone's stage does.", "",
              "| layer | C | dtype | phase | coords | spconv ms | flexplan ms | speedup | fp32 equal |",
              "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines))
@@ -67,10 +69,16 @@ def main() -> None:
     for channels in (int(c) for c in args.channels.split(",")):
         feats = [torch.randn(idx.shape[0], channels, device=device, generator=gen)
                  for idx, _ in pillars]
-        for name, cls, layer_args in (("subm 3x3", "SubMConv2d", (3,)),
-                                      ("conv 3x3 s2", "SparseConv2d", (3, 2, 1))):
-            layers = {"spconv": getattr(sp, cls)(channels, channels, *layer_args).cuda(),
-                      "flexplan": getattr(fx, cls)(channels, channels, *layer_args).cuda()}
+        # A stack: what a BEV backbone's stage runs on one tensor (one indice_key, the
+        # coordinates checked and planned once, then `depth` convolutions over them).
+        for name, cls, layer_args, depth in (("subm 3x3", "SubMConv2d", (3,), 1),
+                                             ("subm 3x3 x4 stack", "SubMConv2d", (3,), 4),
+                                             ("conv 3x3 s2", "SparseConv2d", (3, 2, 1), 1)):
+            def build(ns):
+                mods = [getattr(ns, cls)(channels, channels, *layer_args, indice_key="k")
+                        for _ in range(depth)]
+                return (mods[0] if depth == 1 else ns.SparseSequential(*mods)).cuda()
+            layers = {"spconv": build(sp), "flexplan": build(fx)}
             layers["flexplan"].load_state_dict(layers["spconv"].state_dict())
             make = {"spconv": sp.SparseConvTensor, "flexplan": fx.SparseConvTensor}
             (idx, shape), f = pillars[0], feats[0]

@@ -1,7 +1,21 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+# Every run gets a cache root of its own (plans, their admission journal, AOT bundles, tuning
+# tables), empty at the start: the suite neither reads what earlier runs, or other processes of
+# this user, left in ~/.cache/flexplan (plan files loaded there are checked by a kernel, seconds
+# each through the interpreter, and change which paths a test takes) nor writes there. Subprocesses
+# inherit it. Tests that need another directory still set their own.
+_CACHE_ROOT = tempfile.mkdtemp(prefix="flexplan-tests-")
+os.environ["FLEXPLAN_CACHE_DIR"] = _CACHE_ROOT
+# Removed at exit, after flexplan's own exit hook (atexit runs the later registered first) has
+# flushed the journal of seen keys into it.
+atexit.register(shutil.rmtree, _CACHE_ROOT, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -33,8 +33,11 @@ def _assert_grads_close(got: dict, want: dict, rtol: float, atol: float):
 def test_gloo_ranks_sharing_a_cache_average_single_process_gradients(tmp_path):
     """2 CPU ranks (plain BatchNorm: per-rank statistics), fresh coordinates per rank, one cache
     directory: DDP's gradient is the mean of the two single-process gradients. One scan per
-    rank: every kernel runs through the interpreter, four times (two ranks, two references)."""
-    job = ddp_train.Job(network="encoder", small=True, device="cpu", dtype="fp32",
+    rank: every kernel runs through the interpreter, four times (two ranks, two references).
+    The U-Net (strided, submanifold and inverse convs, BatchNorm): half the encoder's
+    interpreter time (its 21 convs; both networks' forward and backward are tested in
+    test_bench_e2e.py), and what DDP averages is the same for any network."""
+    job = ddp_train.Job(network="unet", small=True, device="cpu", dtype="fp32",
                         scans_per_rank=1, record_grads=True, cache_dir=str(tmp_path / "cache"))
     # The references are computed here while the ranks (spawned processes) run.
     with ThreadPoolExecutor(1) as pool:

@@ -43,20 +43,21 @@ def check_layer_against_dense(layer, x, geometry):
     return out
 
 
-# (kernel, stride, padding, dilation, grid)
-LAYER_CASES = [(3, 2, 1, 1, (7, 6, 5)), (2, 2, 0, 1, (6, 5, 7)), (3, 3, 1, 1, (8, 7, 7)),
-               (2, 1, 1, 1, (5, 6, 5)), (3, 1, 0, 2, (7, 6, 6))]
+# (kernel, stride, padding, dilation, grid, batch size): the two cases with the most output rows
+# (a stride-3 grid, a dilated stride-1 transposed conv) on one batch entry, the others on two.
+LAYER_CASES = [(3, 2, 1, 1, (7, 6, 5), 2), (2, 2, 0, 1, (6, 5, 7), 2), (3, 3, 1, 1, (8, 7, 7), 1),
+               (2, 1, 1, 1, (5, 6, 5), 2), (3, 1, 0, 2, (7, 6, 6), 1)]
 
 
 @pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: f"k{c[0]}s{c[1]}p{c[2]}d{c[3]}")
 def test_sparse_conv3d_and_transpose_vs_dense(case):
-    k, s, p, d, shape = case
+    k, s, p, d, shape, batch = case
     for transposed, cls in ((False, spconv.SparseConv3d), (True, spconv.SparseConvTranspose3d)):
         layer = cls(3, 4, k, s, p, d, **F64)
         geometry = ConvGeometry.make(k, d, s, p, submanifold=False, transposed=transposed)
         # (density 0.12: a transposed layer's outputs are many, up to ~1800 rows here)
-        check_layer_against_dense(layer, sparse_input(shape, seed=s + 10 * k, density=0.12),
-                                  geometry)
+        check_layer_against_dense(layer, sparse_input(shape, batch, seed=s + 10 * k,
+                                                      density=0.12), geometry)
 
 
 def test_subm_conv3d_vs_dense():

@@ -42,8 +42,10 @@ def log(monkeypatch):
 
 def run(net, seed, grad=True, backward=False):
     """A step on fresh coordinates (seed); training plans where grad (the backward only where
-    asked: the plans are the same without it)."""
-    x = sparse_input((5, 6, 5), seed=seed)
+    asked: the plans are the same without it). One batch entry (~25 voxels, 1 at the coarsest
+    level): the plans' sequence is what these tests are about, and the kernels' programs, each a
+    round through the interpreter, scale with the rows."""
+    x = sparse_input((5, 6, 5), batch_size=1, seed=seed)
     with torch.set_grad_enabled(grad):
         out = net(x)
     if backward:
@@ -134,7 +136,7 @@ def test_prefetch_that_fails_falls_back_to_the_layers(log, monkeypatch):
 def test_repeated_coordinates_keep_one_sequence(log):
     """The same input every step: a step begins at the repeat of its first request."""
     net = network()
-    x = sparse_input((5, 6, 5), seed=1)
+    x = sparse_input((5, 6, 5), batch_size=1, seed=1)
     for _ in range(4):  # a new tensor every step (new plan memo), as a data loader makes them
         net(spconv.SparseConvTensor(x.features, x.indices, x.spatial_shape, x.batch_size))
     steps = plan_prefetch._steps

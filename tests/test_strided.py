@@ -122,12 +122,15 @@ def test_op_forward_backward_against_dense(case, algo):
     """flexplan.ops.sparse_conv over strided and transposed plans, grads included (float64);
     explicit: its grad-input gathers through the plan's backward map without reversal. (Sparse
     inputs: a transposed conv's outputs are many, 375 to 3200 rows here; explicit sparser
-    still, as its im2col runs a program per 16 rows and offset through the interpreter.)"""
+    still, and one batch entry, as its im2col runs a program per 16 rows and offset through the
+    interpreter: still 240 output rows of its transposed plan.)"""
     shape = case[4]
+    batch = 1 if algo == "explicit" else 2
     for transposed in (False, True):
         geometry = geometry_of(case, transposed)
-        coords, feats = make_case(shape, density=0.08 if algo == "explicit" else 0.12, seed=7)
-        plan = build_plan(coords, shape, 2, geometry)
+        coords, feats = make_case(shape, batch, density=0.08 if algo == "explicit" else 0.12,
+                                  seed=7)
+        plan = build_plan(coords, shape, batch, geometry)
         weight = torch.randn(4, *geometry.kernel_size, 3, dtype=torch.float64)
         bias = torch.randn(4, dtype=torch.float64)
         grad_out = torch.randn(plan.num_out, 4, dtype=torch.float64)
@@ -135,7 +138,7 @@ def test_op_forward_backward_against_dense(case, algo):
         leaves = [t.clone().requires_grad_(True) for t in (feats, weight, bias)]
         sparse_conv(leaves[0], plan, leaves[1], leaves[2], algo=algo).backward(grad_out)
         ref = [t.clone().requires_grad_(True) for t in (feats, weight, bias)]
-        out = read_back(dense_conv(to_dense(ref[0], coords, shape, 2), ref[1], geometry),
+        out = read_back(dense_conv(to_dense(ref[0], coords, shape, batch), ref[1], geometry),
                         plan.out_coords) + ref[2]
         out.backward(grad_out)
         with torch.no_grad():

@@ -6,7 +6,6 @@ frozen and its dictionaries are read-only views.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
@@ -15,6 +14,7 @@ from typing import Optional
 import torch
 
 from .geometry import ConvGeometry
+from .graph_capture import device_constant
 from .kernel_configs import SCHEDULE_CHUNK
 from .launch_spec import INT32, SIZE
 
@@ -42,12 +42,13 @@ def signal_fields(sig_i, sig_o, sig_seg, device, training: bool) -> dict:
                 for_training=training)
 
 
-@functools.lru_cache(maxsize=None)  # a few devices per process
 def _no_pairs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An inference plan's valid_signal fields: no pairs, seg [0]. Shared by every inference plan
     of the device (plans are never written to; two allocations fewer per build)."""
-    empty = torch.zeros(0, dtype=torch.int32, device=device)
-    return empty, empty, torch.zeros(1, dtype=torch.int32, device=device)
+    def make():
+        empty = torch.zeros(0, dtype=torch.int32, device=device)
+        return empty, empty, torch.zeros(1, dtype=torch.int32, device=device)
+    return device_constant("no_pairs", device, make)
 
 
 class BlockRuns(Mapping):

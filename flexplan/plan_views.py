@@ -11,11 +11,10 @@ map derives its own.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import launcher
+from .graph_capture import capturing, device_constant
 from .kernel_configs import CHUNK_ORDER_MIN_ROWS, SCHEDULE_CHUNK
 from .plan import (GatherMap, chunk_order_torch, kernels_run_on, launch_chunk_order,
                    launch_sorted_map_t, sorted_map_t_torch)
@@ -32,7 +31,8 @@ def sorted_map_t(gmap: GatherMap) -> torch.Tensor:
             view = sorted_map_t_triton(nmap, idx)
         else:
             view = sorted_map_t_torch(nmap, idx)
-        gmap.derived_views["sorted_map_t"] = view
+        if not capturing(nmap.device):  # (graph_capture: never kept from a capture)
+            gmap.derived_views["sorted_map_t"] = view
     return view
 
 
@@ -58,7 +58,8 @@ def chunk_order(gmap: GatherMap) -> torch.Tensor:
             view = chunk_order_triton(idx)
         else:
             view = chunk_order_torch(idx)
-        gmap.derived_views["chunk_order"] = view
+        if not capturing(idx.device):
+            gmap.derived_views["chunk_order"] = view
     return view
 
 
@@ -66,12 +67,10 @@ def gray_chunk_order(m: int, device: torch.device) -> torch.Tensor:
     """int32 [ceil(m / SCHEDULE_CHUNK)]: 0, 1, 2, ... (chunks in Gray order, a partial last
     chunk last), a view of one arange kept per device: no launch, no allocation."""
     chunks = -(-m // SCHEDULE_CHUNK)
-    return _aranges(torch.device(device), CHUNK_ORDER_MIN_ROWS // SCHEDULE_CHUNK + 1)[:chunks]
-
-
-@functools.lru_cache(maxsize=None)
-def _aranges(device: torch.device, n: int) -> torch.Tensor:
-    return torch.arange(n, dtype=torch.int32, device=device)
+    device = torch.device(device)
+    n = CHUNK_ORDER_MIN_ROWS // SCHEDULE_CHUNK + 1
+    return device_constant("chunk_aranges", device,
+                           lambda: torch.arange(n, dtype=torch.int32, device=device))[:chunks]
 
 
 def sorted_map_t_triton(neighbor_map: torch.Tensor, sorted_idx: torch.Tensor) -> torch.Tensor:

@@ -77,3 +77,32 @@ def test_training_step_captured_and_replayed():
     torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-5)
     for g, p in zip(grads, net.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [300, 20000], ids=["gray-chunk-order", "chunk-order-kernel"])
+def test_views_first_made_under_capture_are_not_kept(rows):
+    """A plan whose gather views are first asked for inside a capture: the capture gets views
+    of its own and the plan keeps none, so an eager call after the capture (no replay: the
+    captured kernels never ran) derives real ones and is right; the graph's replay is too."""
+    from flexplan import graph_capture
+    from flexplan.geometry import ConvGeometry
+    from flexplan.ops import sparse_conv
+    from flexplan.planner import build_plan
+
+    gen = torch.Generator().manual_seed(4)
+    coords = random_coords(rows, SHAPE, 2, generator=gen).cuda()
+    geometry = ConvGeometry.submanifold_conv(3)
+    plan = build_plan(coords, SHAPE, 2, geometry, training=False)
+    twin = build_plan(coords, SHAPE, 2, geometry, training=False)  # same plan, its own views
+    feats = torch.randn(coords.shape[0], 16, generator=gen).cuda().half()
+    weight = torch.randn(16, 3, 3, 3, 16, generator=gen).cuda().half()
+    want = sparse_conv(feats, twin, weight, algo="masked")  # compiles, warms the configs
+    torch.cuda.synchronize()
+    graph_capture._PER_DEVICE.clear()  # the per-device constants too: first made in the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sparse_conv(feats, plan, weight, algo="masked")
+    assert not plan.fwd.derived_views and not graph_capture._PER_DEVICE  # nothing kept
+    assert torch.equal(sparse_conv(feats, plan, weight, algo="masked"), want)
+    graph.replay()
+    assert torch.equal(captured, want)

@@ -53,6 +53,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..device_guard import on_device_of
+from ..graph_capture import device_constant
 from ..kernels_src import batchnorm_stats as kernels
 from ..launch_spec import FLOAT64, INT32, INT64, SIZE, Tensor
 from ..launcher import launch
@@ -82,20 +83,17 @@ def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 
-_CONSTS: dict = {}
 
 
 def _consts(device: torch.device, eps: float, momentum: float) -> torch.Tensor:
     """[eps, momentum] as a float64 tensor on `device`, made once per value pair by fills (no
     host-to-device copy; Triton would take Python floats as fp32, and flexplan.launcher's cheap
     repeat launch takes tensors and ints only)."""
-    key = (device, eps, momentum)
-    consts = _CONSTS.get(key)
-    if consts is None:
+    def make():
         consts = torch.full((2,), eps, dtype=torch.float64, device=device)
         consts[1:].fill_(momentum)
-        _CONSTS[key] = consts
-    return consts
+        return consts
+    return device_constant(("sync_bn_consts", eps, momentum), device, make)
 
 
 # Launch descriptions (flexplan/launch_spec.py): the kernel path launches through these, the AOT

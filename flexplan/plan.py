@@ -83,10 +83,17 @@ class BlockRuns(Mapping):
 
     def region(self, block: int) -> torch.Tensor:
         """The run, or for a run of unread length the room that holds it (no host sync)."""
+        view = self._views.get(block)
+        if view is not None:
+            return view
         run = self._runs[block]
-        if len(run) == 2 or block in self._views:
+        if len(run) == 2:
             return self[block]
-        return self._buffer[run[0]:run[0] + run[1]]
+        room = ("room", block)  # kept too: a layer asks for it on every call
+        view = self._views.get(room)
+        if view is None:
+            view = self._views[room] = self._buffer[run[0]:run[0] + run[1]]
+        return view
 
     def __iter__(self):
         return iter(self._runs)

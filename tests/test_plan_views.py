@@ -152,3 +152,19 @@ def test_memory_cache_counts_the_views_once_whether_made_or_not(monkeypatch):
     before = held_bytes(plan)
     sorted_map_t(plan.fwd)
     assert held_bytes(plan) == before  # counted as made before, as held after
+
+
+def test_block_runs_region_and_views():
+    """A run of unread length: region is its room (no read of the length), kept between calls;
+    once the run is viewed (its length read), region is the exact run."""
+    from flexplan.plan import BlockRuns
+
+    buffer = torch.arange(20, dtype=torch.int32)
+    buffer[19] = 3  # the second run's length, where length_at points
+    runs = BlockRuns(buffer, {16: (0, 4), 32: (4, 10, 19)})
+    assert torch.equal(runs.region(16), buffer[0:4]) and runs.region(16) is runs[16]
+    room = runs.region(32)
+    assert torch.equal(room, buffer[4:14]) and runs.region(32) is room
+    assert torch.equal(runs[32], buffer[4:7])
+    assert torch.equal(runs.region(32), buffer[4:7])
+    assert dict(runs).keys() == {16, 32} and len(runs) == 2

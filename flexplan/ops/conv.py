@@ -33,7 +33,8 @@ from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
 from ..kernels_src.conv_wgrad import conv_wgrad_kernel
 from ..launch_spec import FEATURE, INT32, OUTPUT, SIZE
 from ..launcher import cdiv, launch
-from ..plan import MISSING, ConvPlan, GatherMap
+from ..plan import MISSING, ConvPlan, GatherMap, kernels_run_on
+from . import torch_fallback
 # From dispatch, not the flexplan.tuning package: that package also wires in the run-time
 # tuner, which sits above the ops (it times gather_gemm and wgrad below).
 from ..tuning.dispatch import select_config
@@ -140,6 +141,8 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     k, n = (ci, co) if part == "fwd" else (co, ci)
     if m == 0:
         return src.new_empty((m, n))
+    if not kernels_run_on(src):  # CPU tensors and compiled kernels: torch alone
+        return torch_fallback.gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
     if algo == "explicit":
         return _explicit_gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
     out = src.new_empty((m, n))
@@ -225,6 +228,8 @@ def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bo
     """Grad-weight [Co, V, Ci] in out_dtype (default: src's; an fp32 master weight under
     autocast gets its gradient from the fp32 split-K sums without a 16-bit round trip)."""
     out_dtype = out_dtype or src.dtype
+    if not kernels_run_on(src):
+        return torch_fallback.wgrad(grad_out, src, plan.fwd.neighbor_map, weight_shape).to(out_dtype)
     co, v, ci = weight_shape
     pairs = plan.num_pairs
     if algo == "explicit" or pairs == 0:

@@ -19,7 +19,8 @@ from ..device_guard import on_device_of
 from ..kernels_src.sparse_pool import sparse_pool_bwd_kernel, sparse_pool_fwd_kernel
 from ..launch_spec import FEATURE, FLOAT32, INT32, SIZE
 from ..launcher import launch
-from ..plan import ConvPlan
+from ..plan import ConvPlan, kernels_run_on
+from . import torch_fallback
 
 POOL_MODES = ("max", "avg")
 # One launch shape for both directions: rows x channels tiles, the taps looped in the kernel.
@@ -122,6 +123,8 @@ def sparse_pool(feats: torch.Tensor, plan: ConvPlan, mode: str = "max",
     padding and dilation); returns [N_out, C] in feats' dtype. mode: "max" or "avg".
     zero_floor (max): outputs max(0, window max), spconv's SparseMaxPool."""
     _check(feats, plan, mode)
+    if not kernels_run_on(feats):  # CPU tensors and compiled kernels: torch alone
+        return torch_fallback.pool(feats, plan.fwd.neighbor_map, mode, bool(zero_floor))
     with on_device_of(feats):
         return SparsePoolFunction.apply(feats.contiguous(), plan, mode, bool(zero_floor))
 

@@ -151,14 +151,10 @@ def test_strided_plan_of_other_coordinates_with_the_same_rows_is_refused(tmp_pat
     assert len(caught) == 1
     assert cache.stats()["corrupt"] == 1 and cache.stats()["builds"] == 1
     assert_same_plan(plan, build_plan(a, SHAPE, 2, STRIDED))
-    # float64 output against the torch planner's plan (the oracle) of the same coordinates
-    g = torch.Generator().manual_seed(11)
-    feats = torch.randn(n, 4, generator=g, dtype=torch.float64)
-    weight = torch.randn(5, 3, 3, 3, 4, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(
-        sparse_conv(feats, plan, weight, algo="masked"),
-        sparse_conv(feats, build_plan(a, SHAPE, 2, STRIDED, backend="torch"), weight,
-                    algo="masked"))
+    # Equal, field for field and tensor for tensor, to the torch planner's plan (the oracle) of
+    # the same coordinates, so a convolution through it is the oracle plan's (the kernels read
+    # nothing else; two interpreted convs compared their outputs here, seconds for no more).
+    assert_same_plan(plan, build_plan(a, SHAPE, 2, STRIDED, backend="torch"))
     assert disk_module.verify_file(cache.disk.path(key)) is None  # rewritten, bound
     assert_same_plan(cache_at(tmp_path).get_or_build(a, SHAPE, 2, STRIDED), plan)
 

@@ -219,11 +219,16 @@ def test_edge_cases(case, algo, device):
 def test_forced_configs(config, algo, device, monkeypatch):
     """Block shapes that put K-chunks inside one offset (K % BLOCK_K == 0) or across offsets,
     with and without split-K, and more splits than a block has iterations (empty splits), every
-    part: all equal the gather reference. The last: 32 splits of at most 27 iterations in the
-    forward and grad-input (one K-chunk per offset), and of fewer pairs than splits for most
-    offsets in grad-weight; its BLOCK_N of 32 (one Ci tile) halves its grad-weight grid
-    (Co x Ci tiles, 27, 32), each program of it a round through the interpreter. Several channel
-    tiles under split-K: (64, 16, 32, 2).
+    part: all equal the gather reference. The last: 32 splits of at most 9 iterations in the
+    forward and grad-input (one K-chunk per offset), and of fewer pairs than splits for every
+    offset but the centre in grad-weight; its BLOCK_N of 32 (one Ci tile) halves its grad-weight
+    grid (Co x Ci tiles, V, 32), each program of it a round through the interpreter. Several
+    channel tiles under split-K: (64, 16, 32, 2).
+
+    A 3x3x1 kernel (V = 9: a third of the programs and iterations of 3x3x3; the kernels take V
+    as an argument, and 3x3x3 runs under the default configs in every other test here), and
+    ~45 voxels (3 row tiles) where BLOCK_M is 16, ~110 (2 to 7 row tiles) otherwise: several
+    row tiles under every config.
 
     Grad-weight is one launch whatever the algorithm once its config is forced (the algorithm
     only picks the config, and the split ones do not take explicit's path): it runs, and is
@@ -234,14 +239,18 @@ def test_forced_configs(config, algo, device, monkeypatch):
 
     ops_module = importlib.import_module("flexplan.ops.conv")
     monkeypatch.setattr(ops_module, "select_config", lambda family, problem: KernelConfig(*config))
-    coords, plan = submanifold_case(110, seed=config[2] + config[3])
-    feats, weight, bias = make_inputs(coords.shape[0], 32, 16, (3, 3, 3), torch.float32, device, 8)
+    kernel = (3, 3, 1)
+    coords, plan = submanifold_case(45 if config[0] == 16 else 110, kernel_size=kernel,
+                                    seed=config[2] + config[3])
+    assert -(-coords.shape[0] // config[0]) >= 2  # several row tiles
+    v = plan.geometry.volume
+    feats, weight, bias = make_inputs(coords.shape[0], 32, 16, kernel, torch.float32, device, 8)
     wgrad = algo == "masked_splitk"
     weight.requires_grad_(wgrad)
     grad_out = torch.randn(coords.shape[0], 16, generator=torch.Generator().manual_seed(9))
     got = run_and_grads(feats, plan.to(device), weight, bias, algo, False, grad_out.to(device))
     nmap = plan.fwd.neighbor_map
-    ref = reference_and_grads(lambda f, w, b: gather_conv(f, nmap, w.reshape(16, 27, 32), b),
+    ref = reference_and_grads(lambda f, w, b: gather_conv(f, nmap, w.reshape(16, v, 32), b),
                               feats, weight, bias, grad_out)
     names = ("out", "grad_feats") + (("grad_weight",) if wgrad else ()) + ("grad_bias",)
     check_all(got, ref, 2e-5, f"{config}/{algo}", names)

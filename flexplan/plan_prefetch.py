@@ -19,18 +19,29 @@ a failed prefetch is dropped with a warning and not tried again for that kind of
 layers' own requests then build, or raise if the failure was real).
 
 FLEXPLAN_PLAN_PREFETCH=0 turns it off (every plan built at its layer, as before).
+FLEXPLAN_PLAN_PREFETCH=async (experimental, not yet measured on a GPU) builds the sequence on a
+worker thread instead, while the step's forward runs: a layer waits only for its own plan. The
+builds' host work then overlaps the forward's (torch releases the GIL inside op dispatch, Triton
+around its launch) and their syncs block the worker alone. The worker launches on the same
+CUDA stream as the layers (the current stream of the step's thread when the step began), so a
+plan's kernels are queued before any kernel of the layer that waited for it, and its tensors
+are allocated, freed and reused in that stream's order: no events, no cross-stream hazards.
 """
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import warnings
 from collections import OrderedDict
+
+import torch
 
 from .cache import cached_plan
 from .cache.key import derived_identity
 from .geometry import ConvGeometry
 from .plan import ConvPlan
+from .planner.generative import output_spatial_shape
 
 PREFETCH_ENV = "FLEXPLAN_PLAN_PREFETCH"
 # A step asking for more plans than this is not recorded (nothing of its kind is prefetched).
@@ -39,8 +50,14 @@ MAX_REQUESTS = 256
 MAX_RECIPES = 8
 
 
+def mode() -> str:
+    """"off" (FLEXPLAN_PLAN_PREFETCH=0), "async" (=async) or "sync" (the default)."""
+    value = os.environ.get(PREFETCH_ENV, "1").strip().lower()
+    return "off" if value == "0" else "async" if value == "async" else "sync"
+
+
 def enabled() -> bool:
-    return os.environ.get(PREFETCH_ENV, "1").strip() != "0"
+    return mode() != "off"
 
 
 class _Steps(threading.local):
@@ -50,7 +67,8 @@ class _Steps(threading.local):
         self.paths: dict = {}          # node -> path, for the current step (_node)
         self.recording: list = []      # the current step's requests
         self.kind: tuple | None = None  # the current step's first request, grid and batch size
-        self.prefetched: dict = {}     # (node, geometry) -> ConvPlan, until a layer takes it
+        self.prefetched: dict = {}     # (node, geometry) -> ConvPlan or _Pending, until taken
+        self.job = None                # the step's job on the worker (async), to cancel
         self.failed: set = set()       # kinds whose prefetch raised: not tried again
         self.recipes: OrderedDict = OrderedDict()  # first request -> [requests, confirmed]
 
@@ -75,6 +93,8 @@ def plan_for(x, geometry: ConvGeometry, training: bool) -> ConvPlan:
     if len(steps.recording) <= MAX_REQUESTS:
         steps.recording.append(request)
     plan = steps.prefetched.pop((node, geometry), None)  # the layer's tensor keeps it from here
+    if isinstance(plan, _Pending):
+        plan = _take(steps, plan)
     if plan is None or not plan.serves(training):
         plan = _cached(x.coords, x.grid_shape, x.batch_size, geometry, identity, training)
     if not geometry.submanifold:
@@ -104,19 +124,29 @@ def _begin_step(steps: _Steps, x, node: tuple, first: tuple) -> None:
     """End the current step (its requests become the sequence of their kind) and begin one on
     x's coordinates (node); prefetch its plans if the two steps before it asked the same."""
     _remember(steps)
+    if steps.job is not None:  # the last step's builds not taken yet: not wanted any more
+        steps.job.cancelled = True
+        steps.job = None
     steps.paths = {node: ()}
     steps.recording, steps.prefetched = [], {}
     kind = steps.kind = _kind(first, x.grid_shape, x.batch_size)
     entry = steps.recipes.get(kind)
     if entry is not None and entry[1] and kind not in steps.failed:
         try:
-            _prefetch(steps, x, node, entry[0])
+            if mode() == "async":
+                _submit(steps, x, node, entry[0])
+            else:
+                _prefetch(steps, x, node, entry[0])
         except Exception as exc:  # noqa: BLE001 - the layers' own requests build (or raise)
-            steps.prefetched = {}
-            steps.failed.add(kind)
-            warnings.warn(f"flexplan: prefetching a step's plans failed ({type(exc).__name__}: "
-                          f"{exc}); this network's plans are built at its layers from now on",
-                          RuntimeWarning, stacklevel=2)
+            _failed(steps, kind, exc)
+
+
+def _failed(steps: _Steps, kind: tuple, exc: BaseException) -> None:
+    steps.prefetched = {}
+    steps.failed.add(kind)
+    warnings.warn(f"flexplan: prefetching a step's plans failed ({type(exc).__name__}: "
+                  f"{exc}); this network's plans are built at its layers from now on",
+                  RuntimeWarning, stacklevel=3)
 
 
 def _kind(first: tuple, grid_shape, batch_size: int) -> tuple:
@@ -156,3 +186,106 @@ def _prefetch(steps: _Steps, x, node: tuple, recipe: list) -> None:
             sets[path + (geometry,)] = (plan.out_coords, plan.out_spatial_shape, child)
             steps.paths[_node(child, device, plan.out_spatial_shape, batch_size)] = (
                 path + (geometry,))
+
+
+# ---------------------------------------------------------------- async: a worker thread
+
+class _Pending:
+    """A plan the worker builds: set once, with the plan or the exception that stopped it."""
+
+    __slots__ = ("done", "plan", "error", "kind")
+
+    def __init__(self, kind: tuple):
+        self.done = threading.Event()
+        self.plan = self.error = None
+        self.kind = kind
+
+
+class _Job:
+    """One step's sequence for the worker: (path, geometry, training, pending) in order, the
+    step's input coordinates, and where to launch (device, stream)."""
+
+    def __init__(self, coords, batch_size: int, entries: list, device, stream):
+        self.coords, self.batch_size, self.entries = coords, batch_size, entries
+        self.device, self.stream = device, stream
+        self.cancelled = False
+
+
+def _submit(steps: _Steps, x, node: tuple, recipe: list) -> None:
+    """Queue the step's plans on the worker: a pending plan per request, keyed now (the output
+    coordinates' identity and grid of a strided request follow from its input's on the host)."""
+    device, batch_size = x.coords.device, x.batch_size
+    sets = {(): (node[0], tuple(x.grid_shape))}  # path -> identity, grid
+    entries = []
+    for path, geometry, training in recipe:
+        at = sets.get(path)
+        if at is None:  # recorded on coordinates this sequence does not make: stop here
+            break
+        ident, grid = at
+        key = (_node(ident, device, grid, batch_size), geometry)
+        if key not in steps.prefetched:
+            pending = steps.prefetched[key] = _Pending(steps.kind)
+            entries.append((path, geometry, training, grid, ident, pending))
+        if not geometry.submanifold:
+            child = derived_identity(ident, grid, batch_size, geometry)
+            out_grid = output_spatial_shape(grid, geometry)
+            sets[path + (geometry,)] = (child, out_grid)
+            steps.paths[_node(child, device, out_grid, batch_size)] = path + (geometry,)
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    steps.job = _Job(x.coords, batch_size, entries, device, stream)
+    _worker().put(steps.job)
+
+
+def _take(steps: _Steps, pending: _Pending) -> ConvPlan | None:
+    """The worker's plan (waiting for it), or None where its build failed (then the layer
+    builds it itself, and this kind of step is built at its layers from now on)."""
+    pending.done.wait()
+    if pending.error is not None:
+        if pending.kind not in steps.failed:
+            _failed(steps, pending.kind, pending.error)
+        return None
+    return pending.plan
+
+
+def _run(job: _Job) -> None:
+    """Build a job's plans in order (on the worker thread), each into its pending."""
+    coords_of = {(): job.coords}
+    for path, geometry, training, grid, ident, pending in job.entries:
+        try:
+            coords = coords_of.get(path)
+            if job.cancelled or coords is None:
+                raise RuntimeError("not built: the step ended or its input was not built")
+            plan = _cached(coords, grid, job.batch_size, geometry, ident, training)
+            if not geometry.submanifold:
+                coords_of[path + (geometry,)] = plan.out_coords
+            pending.plan = plan
+        except Exception as exc:  # noqa: BLE001 - handed to the layer that asks
+            pending.error = exc
+        finally:
+            pending.done.set()
+
+
+_queue_lock = threading.Lock()
+_jobs: queue.Queue | None = None
+
+
+def _worker() -> queue.Queue:
+    """The queue of the process's one worker thread (started on first use; a daemon: it never
+    holds a process open)."""
+    global _jobs
+    with _queue_lock:
+        if _jobs is None:
+            _jobs = queue.Queue()
+            threading.Thread(target=_serve, args=(_jobs,), name="flexplan-plan-prefetch",
+                             daemon=True).start()
+    return _jobs
+
+
+def _serve(jobs: queue.Queue) -> None:
+    while True:
+        job = jobs.get()
+        if job.stream is not None:  # the step's device and stream: see the module docstring
+            with torch.cuda.device(job.device), torch.cuda.stream(job.stream):
+                _run(job)
+        else:
+            _run(job)

@@ -28,7 +28,11 @@ import bench_e2e as e2e  # noqa: E402
 
 RESULTS = SCRIPTS / "results" / "bench_precision.md"
 RUNS = (("flexplan", "fp16"), ("flexplan", "amp-fp16"), ("flexplan", "bf16"),
-        ("flexplan", "fp32"), ("spconv", "fp16"), ("spconv", "amp-fp16"), ("spconv", "fp32"))
+        ("flexplan", "fp32"), ("spconv", "fp16"), ("spconv", "amp-fp16"), ("spconv", "fp32"),
+        ("flexplan-async", "fp16"))
+# flexplan-async: flexplan with FLEXPLAN_PLAN_PREFETCH=async around each of its steps (the
+# plans of a step built on a worker thread: flexplan/plan_prefetch.py).
+ASYNC = "flexplan-async"
 # (label with the issue's bound, numerator run, denominator run): step-time ratios.
 RATIOS = (
     ("flexplan amp-fp16 / fp16 (<= 1.10)", ("flexplan", "amp-fp16"), ("flexplan", "fp16")),
@@ -36,7 +40,26 @@ RATIOS = (
     ("spconv fp32 / flexplan fp32 (>= 1.2, train)", ("spconv", "fp32"), ("flexplan", "fp32")),
     ("spconv fp16 / flexplan fp16", ("spconv", "fp16"), ("flexplan", "fp16")),
     ("spconv amp / flexplan amp", ("spconv", "amp-fp16"), ("flexplan", "amp-fp16")),
+    ("flexplan async / sync prefetch, fp16", (ASYNC, "fp16"), ("flexplan", "fp16")),
+    ("spconv fp16 / flexplan async fp16", ("spconv", "fp16"), (ASYNC, "fp16")),
 )
+
+
+def with_async_prefetch(step):
+    """step with FLEXPLAN_PLAN_PREFETCH=async while it runs (read at each step's first plan)."""
+    from flexplan import plan_prefetch
+
+    def run(batch):
+        before = os.environ.get(plan_prefetch.PREFETCH_ENV)
+        os.environ[plan_prefetch.PREFETCH_ENV] = "async"
+        try:
+            return step(batch)
+        finally:
+            if before is None:
+                del os.environ[plan_prefetch.PREFETCH_ENV]
+            else:
+                os.environ[plan_prefetch.PREFETCH_ENV] = before
+    return run
 
 
 def parse_args():
@@ -73,10 +96,12 @@ def run_cell(ctx, source, net_cls, state, phase: str, coords: str, args, errors:
         mode = e2e.MODES[mode_name]
         base = shared if shared is not None else source.take(n, torch.float32)
         batches = [b._replace(features=b.features.to(mode.input_dtype)) for b in base]
-        sp = ctx.namespaces[impl]
+        sp = ctx.namespaces["flexplan" if impl == ASYNC else impl]
         try:
             net = e2e.build_model(net_cls, sp, state, mode, ctx.sizes, ctx.device)
             step = e2e.STEP_FNS[phase](net, sp, mode, ctx.device)
+            if impl == ASYNC:
+                step = with_async_prefetch(step)
             e2e.timed(step, batches[:args.warmup], ctx.device)
         except Exception as exc:
             errors.append(f"{impl} {mode_name} {phase} {coords}: {e2e.short_error(exc)}")

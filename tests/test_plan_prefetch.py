@@ -176,3 +176,44 @@ def test_failed_prefetch_warns_once_and_is_not_retried(log, monkeypatch):
         warnings.simplefilter("error")
         for seed in (4, 5, 6):
             run(net, seed, grad=False)
+
+
+def test_async_prefetch_builds_on_the_worker_and_equals_the_layer_built_step(log, monkeypatch):
+    """FLEXPLAN_PLAN_PREFETCH=async: from the third step the plans are built on the worker
+    thread (each layer waits for its own), with the same outputs and gradients; a failing
+    worker build falls back to the layer with the warning, once."""
+    import threading
+
+    threads = []
+    real = plan_prefetch._cached
+
+    def cached(coords, grid_shape, batch_size, geometry, identity, training):
+        threads.append(threading.current_thread().name)
+        return real(coords, grid_shape, batch_size, geometry, identity, training)
+
+    monkeypatch.setattr(plan_prefetch, "_cached", cached)
+    monkeypatch.setenv(plan_prefetch.PREFETCH_ENV, "async")
+    net = network()
+    run(net, seed=1)
+    run(net, seed=2)
+    threads.clear()
+    out = run(net, seed=3, backward=True)
+    assert threads == ["flexplan-plan-prefetch"] * 5  # all 5 built there, none at the layers
+    monkeypatch.delenv(plan_prefetch.PREFETCH_ENV)
+    feats, indices, grads = reference(3, monkeypatch=monkeypatch)
+    assert torch.equal(out.indices, indices)
+    torch.testing.assert_close(out.features, feats, rtol=0, atol=0)
+    for p, g in zip(net.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+    monkeypatch.setenv(plan_prefetch.PREFETCH_ENV, "async")
+
+    def failing(coords, grid_shape, batch_size, geometry, identity, training):
+        if threading.current_thread().name == "flexplan-plan-prefetch":
+            raise RuntimeError("worker build failed")
+        return real(coords, grid_shape, batch_size, geometry, identity, training)
+
+    monkeypatch.setattr(plan_prefetch, "_cached", failing)
+    with pytest.warns(RuntimeWarning, match="worker build failed"):
+        out = run(net, seed=4, backward=True)
+    feats, indices, _ = reference(4, monkeypatch=monkeypatch)
+    torch.testing.assert_close(out.features, feats, rtol=0, atol=0)

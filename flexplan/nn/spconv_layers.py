@@ -156,16 +156,22 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
             data = self._paired(x)
             plan, plans, indice_dict = data.inverse_plan, data.in_plans, x.indice_dict
         else:
-            plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled())
-            # The output coords are named from the input's: never hashed.
-            plans = Plans(derived_identity(x.coords_identity(), x._spatial_shape, x.batch_size,
-                                           self.geometry))
-            indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
-                plan.out_coords, x.coords, x._spatial_shape, plan.out_spatial_shape,
-                is_subm=False, plan=plan, in_plans=x._plans))
+            plan, plans, indice_dict = self._plan_and_record(x)
         feats = sparse_conv(x.features, plan, self.conv_weight(), self.bias, self.algo,
                             self.allow_tf32)
         return x._derived(feats, plan.out_coords, plan.out_spatial_shape, indice_dict, plans)
+
+    def _plan_and_record(self, x: SparseConvTensor):
+        """(plan, the output's Plans, the output's indice_dict) of a strided or transposed conv
+        over x (the 4D layers ask their own planner)."""
+        plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled())
+        # The output coords are named from the input's: never hashed.
+        plans = Plans(derived_identity(x.coords_identity(), x._spatial_shape, x.batch_size,
+                                       self.geometry))
+        indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
+            plan.out_coords, x.coords, x._spatial_shape, plan.out_spatial_shape,
+            is_subm=False, plan=plan, in_plans=x._plans))
+        return plan, plans, indice_dict
 
     def _paired(self, x: SparseConvTensor) -> IndiceData:
         """An inverse conv's paired conv, as recorded under its indice_key on x's path."""

@@ -17,13 +17,12 @@ from __future__ import annotations
 import torch
 
 from ..geometry4d import ConvGeometry4d, quad
-from ..ops.conv import sparse_conv
 from ..ops.pool import sparse_pool
 from ..plan_provider import tensor_plan_4d
 from ..sparse_tensor import Plans
 from .sparse_conv_tensor import IndiceData, SparseConvTensor
-from .spconv_layers import (SparseConvolution, _check_input, _InverseNd, _record, _StridedNd,
-                            algo_name, check_ndim)
+from .spconv_layers import (SparseConvolution, _InverseNd, _record, _StridedNd, algo_name,
+                            check_ndim)
 from .spconv_pool import SparseAvgPool, SparseMaxPool, SparsePool, _PoolNd
 from .spconv_pool import _check_input as _check_pool_input
 
@@ -89,17 +88,8 @@ class SparseConvolution4d(SparseConvolution):
     def conv_weight(self) -> torch.Tensor:
         return self.weight  # [Co, K0, K1, K2, K3, Ci], as the op takes a 4D plan's weight
 
-    def forward(self, x: SparseConvTensor) -> SparseConvTensor:
-        _check_input(self, x)
-        check_ndim(self, x)
-        if self.inverse:
-            data = self._paired(x)
-            plan, plans, indice_dict = data.inverse_plan, data.in_plans, x.indice_dict
-        else:
-            plan, plans, indice_dict = _plan_and_record(self, x)
-        feats = sparse_conv(x.features, plan, self.conv_weight(), self.bias, self.algo,
-                            self.allow_tf32)
-        return x._derived(feats, plan.out_coords, plan.out_spatial_shape, indice_dict, plans)
+    def _plan_and_record(self, x: SparseConvTensor):  # (forward: SparseConvolution's)
+        return _plan_and_record(self, x)
 
 
 class SubMConv4d(SparseConvolution4d):

@@ -20,6 +20,7 @@ kernel itself (arg_specialization), so a new size is never a new class.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 from torch import Tensor
@@ -190,9 +191,15 @@ def _resolve_and_launch(kernel, grid, args: tuple, constexprs: dict):
     return _triton_run(compiled) if compiled is not None else None
 
 
+# Triton's interpreter patches triton.language while it runs a kernel: two threads interpreting
+# at once (the plan prefetch worker and a layer) break each other's kernels. One at a time.
+_INTERPRETER_LOCK = threading.RLock()
+
+
 def launch(kernel, grid, *args, **constexprs):
     if not isinstance(kernel, JITFunction):  # the interpreter's functions
-        kernel[grid](*args, **constexprs)
+        with _INTERPRETER_LOCK:
+            kernel[grid](*args, **constexprs)
         return
     device = torch._C._cuda_getDevice()  # CUDA is initialized: the arguments are CUDA tensors
     key = None if callable(grid) else _call_key(kernel, device, args, constexprs)

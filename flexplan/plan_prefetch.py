@@ -142,6 +142,8 @@ def _begin_step(steps: _Steps, x, node: tuple, first: tuple) -> None:
 
 
 def _failed(steps: _Steps, kind: tuple, exc: BaseException) -> None:
+    if steps.job is not None:  # the worker's other builds of the step: the layers make them
+        steps.job.cancelled = True
     steps.prefetched = {}
     steps.failed.add(kind)
     warnings.warn(f"flexplan: prefetching a step's plans failed ({type(exc).__name__}: "
@@ -193,12 +195,12 @@ def _prefetch(steps: _Steps, x, node: tuple, recipe: list) -> None:
 class _Pending:
     """A plan the worker builds: set once, with the plan or the exception that stopped it."""
 
-    __slots__ = ("done", "plan", "error", "kind")
+    __slots__ = ("done", "plan", "error", "kind", "stream")
 
-    def __init__(self, kind: tuple):
+    def __init__(self, kind: tuple, stream):
         self.done = threading.Event()
         self.plan = self.error = None
-        self.kind = kind
+        self.kind, self.stream = kind, stream  # stream: where the worker launches (CUDA)
 
 
 class _Job:
@@ -215,6 +217,7 @@ def _submit(steps: _Steps, x, node: tuple, recipe: list) -> None:
     """Queue the step's plans on the worker: a pending plan per request, keyed now (the output
     coordinates' identity and grid of a strided request follow from its input's on the host)."""
     device, batch_size = x.coords.device, x.batch_size
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     sets = {(): (node[0], tuple(x.grid_shape))}  # path -> identity, grid
     entries = []
     for path, geometry, training in recipe:
@@ -224,31 +227,40 @@ def _submit(steps: _Steps, x, node: tuple, recipe: list) -> None:
         ident, grid = at
         key = (_node(ident, device, grid, batch_size), geometry)
         if key not in steps.prefetched:
-            pending = steps.prefetched[key] = _Pending(steps.kind)
+            pending = steps.prefetched[key] = _Pending(steps.kind, stream)
             entries.append((path, geometry, training, grid, ident, pending))
         if not geometry.submanifold:
             child = derived_identity(ident, grid, batch_size, geometry)
             out_grid = output_spatial_shape(grid, geometry)
             sets[path + (geometry,)] = (child, out_grid)
             steps.paths[_node(child, device, out_grid, batch_size)] = path + (geometry,)
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     steps.job = _Job(x.coords, batch_size, entries, device, stream)
     _worker().put(steps.job)
 
 
 def _take(steps: _Steps, pending: _Pending) -> ConvPlan | None:
-    """The worker's plan (waiting for it), or None where its build failed (then the layer
-    builds it itself, and this kind of step is built at its layers from now on)."""
-    pending.done.wait()
-    if pending.error is not None:
+    """The worker's plan (waiting for it), or None where its build failed or the worker is gone
+    (then the layer builds it itself, and this kind of step is built at its layers from now
+    on). A layer on another stream than the worker's first waits for the worker's stream."""
+    while not pending.done.wait(timeout=1.0):
+        if _thread is None or not _thread.is_alive():
+            pending.error = RuntimeError("the plan prefetch worker thread ended")
+            break
+    plan, error, pending.plan = pending.plan, pending.error, None
+    if error is not None:
         if pending.kind not in steps.failed:
-            _failed(steps, pending.kind, pending.error)
+            _failed(steps, pending.kind, error)
         return None
-    return pending.plan
+    if pending.stream is not None:
+        current = torch.cuda.current_stream(pending.stream.device)
+        if current != pending.stream:  # (the worker's kernels are queued on its stream)
+            current.wait_stream(pending.stream)
+    return plan
 
 
 def _run(job: _Job) -> None:
-    """Build a job's plans in order (on the worker thread), each into its pending."""
+    """Build a job's plans in order (on the worker thread), each into its pending; every
+    pending is set, whatever happens."""
     coords_of = {(): job.coords}
     for path, geometry, training, grid, ident, pending in job.entries:
         try:
@@ -259,33 +271,55 @@ def _run(job: _Job) -> None:
             if not geometry.submanifold:
                 coords_of[path + (geometry,)] = plan.out_coords
             pending.plan = plan
-        except Exception as exc:  # noqa: BLE001 - handed to the layer that asks
+        except BaseException as exc:  # noqa: BLE001 - handed to the layer that asks
             pending.error = exc
         finally:
             pending.done.set()
+    job.entries = job.coords = None  # (the plans are the layers' now)
 
 
 _queue_lock = threading.Lock()
 _jobs: queue.Queue | None = None
+_thread: threading.Thread | None = None
 
 
 def _worker() -> queue.Queue:
-    """The queue of the process's one worker thread (started on first use; a daemon: it never
-    holds a process open)."""
-    global _jobs
+    """The queue of the process's one worker thread (started on first use, again if it ended;
+    a daemon: it never holds a process open). One for all threads and devices: jobs run in
+    the order their steps began."""
+    global _jobs, _thread
     with _queue_lock:
-        if _jobs is None:
+        if _thread is None or not _thread.is_alive():
             _jobs = queue.Queue()
-            threading.Thread(target=_serve, args=(_jobs,), name="flexplan-plan-prefetch",
-                             daemon=True).start()
+            _thread = threading.Thread(target=_serve, args=(_jobs,),
+                                       name="flexplan-plan-prefetch", daemon=True)
+            _thread.start()
     return _jobs
 
 
 def _serve(jobs: queue.Queue) -> None:
     while True:
         job = jobs.get()
-        if job.stream is not None:  # the step's device and stream: see the module docstring
-            with torch.cuda.device(job.device), torch.cuda.stream(job.stream):
+        try:
+            if job.stream is not None:  # the step's device and stream: see the module docstring
+                with torch.cuda.device(job.device), torch.cuda.stream(job.stream):
+                    _run(job)
+            else:
                 _run(job)
-        else:
-            _run(job)
+        except BaseException as exc:  # noqa: BLE001 - (entering the stream failed): the
+            for *_, pending in job.entries or ():  # layers build, none waits forever
+                if not pending.done.is_set():
+                    pending.error = exc
+                    pending.done.set()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has this module's queue but not its worker thread, nor a lock another
+    thread may have held: start afresh (and forget the parent's steps)."""
+    global _jobs, _thread, _queue_lock
+    _queue_lock, _jobs, _thread = threading.Lock(), None, None
+    _steps.__init__()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

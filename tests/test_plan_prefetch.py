@@ -217,3 +217,4 @@ def test_async_prefetch_builds_on_the_worker_and_equals_the_layer_built_step(log
         out = run(net, seed=4, backward=True)
     feats, indices, _ = reference(4, monkeypatch=monkeypatch)
     torch.testing.assert_close(out.features, feats, rtol=0, atol=0)
+

@@ -62,3 +62,28 @@ def test_cpu_tensors_without_interpreter_match_the_kernels(tmp_path):
     for a, b in zip(theirs, ours):
         assert a.shape == b.shape and a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_max_pool_fallback_matches_the_kernel_at_the_edges():
+    """Windows with +inf, only -inf, a max of exactly 0 (spconv's floor: no gradient there) and
+    NaN: the torch fallback gives the kernel's values and gradients (interpreted here)."""
+    from flexplan.geometry import ConvGeometry
+    from flexplan.ops import torch_fallback
+    from flexplan.ops.pool import sparse_pool
+    from flexplan.planner import build_plan
+
+    coords = torch.tensor([[0, 0, 0, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 3, 0, 0],
+                           [0, 4, 0, 0], [0, 6, 0, 0], [0, 7, 0, 0]], dtype=torch.int32)
+    plan = build_plan(coords, (8, 2, 2), 1, ConvGeometry.make(2, 1, 2, 0, submanifold=False))
+    inf, nan = float("inf"), float("nan")
+    feats = torch.tensor([[1.0, inf], [2.0, -3.0], [-inf, 0.0], [-inf, -1.0], [-inf, nan],
+                          [0.0, -2.0], [-1.0, 5.0]], dtype=torch.float64)
+    for zero_floor in (False, True):
+        a, b = feats.clone().requires_grad_(), feats.clone().requires_grad_()
+        want = sparse_pool(a, plan, "max", zero_floor)
+        got = torch_fallback.pool(b, plan.fwd.neighbor_map, "max", zero_floor)
+        torch.testing.assert_close(got, want, equal_nan=True)
+        grad = torch.arange(want.numel(), dtype=torch.float64).reshape(want.shape) + 1
+        want.backward(grad)
+        got.backward(grad)
+        torch.testing.assert_close(b.grad, a.grad, equal_nan=True)

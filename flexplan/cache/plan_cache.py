@@ -13,6 +13,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from ..graph_capture import capturing
 from ..atomic_write import atomic_write
 from .. import paths
 from ..geometry import ConvGeometry, triple
@@ -357,6 +358,11 @@ class PlanCache:
         plan = self._memory_get(key, coords.device)
         if plan is not None:
             return plan
+        if capturing(coords.device):  # made for the capture alone (graph_capture.py)
+            from ..planner import build_plan
+
+            return build_plan(coords, shape, batch_size, geometry, backend=backend, check=False,
+                              training=training)
         args = (key, coords, shape, batch_size, geometry)
         kind = dict(training=training)
         built = dict(kind, identity=identity)

@@ -71,8 +71,10 @@ def pool(feats, nmap, mode: str, zero_floor: bool) -> torch.Tensor:
     if mode == "max":
         windows = gather_rows(feats, nmap, fill=float("-inf"))
         out = windows.max(dim=1).values  # (its gradient: to the first input holding the max)
-        out = out.clamp_min(0) if zero_floor else torch.where(torch.isinf(out), 0, out)
-        return out.to(feats.dtype)
+        if zero_floor:  # as the kernel: no gradient at a max <= 0, and NaN floors to 0
+            return torch.where(out > 0, out, 0).to(feats.dtype)
+        has_input = (nmap != MISSING).any(1, keepdim=True)  # an empty window gives 0
+        return torch.where(has_input, out, 0).to(feats.dtype)
     windows = gather_rows(feats.to(_acc_dtype(feats.dtype)), nmap)
     count = (nmap != MISSING).sum(1, keepdim=True).clamp_min(1)
     return (windows.sum(1) / count).to(feats.dtype)

@@ -195,12 +195,13 @@ def _prefetch(steps: _Steps, x, node: tuple, recipe: list) -> None:
 class _Pending:
     """A plan the worker builds: set once, with the plan or the exception that stopped it."""
 
-    __slots__ = ("done", "plan", "error", "kind", "stream")
+    __slots__ = ("done", "plan", "error", "kind", "device", "stream")
 
-    def __init__(self, kind: tuple, stream):
+    def __init__(self, kind: tuple, device, stream):
         self.done = threading.Event()
         self.plan = self.error = None
-        self.kind, self.stream = kind, stream  # stream: where the worker launches (CUDA)
+        self.kind, self.device = kind, device
+        self.stream = stream  # where the worker launches (CUDA), or None
 
 
 class _Job:
@@ -227,7 +228,7 @@ def _submit(steps: _Steps, x, node: tuple, recipe: list) -> None:
         ident, grid = at
         key = (_node(ident, device, grid, batch_size), geometry)
         if key not in steps.prefetched:
-            pending = steps.prefetched[key] = _Pending(steps.kind, stream)
+            pending = steps.prefetched[key] = _Pending(steps.kind, device, stream)
             entries.append((path, geometry, training, grid, ident, pending))
         if not geometry.submanifold:
             child = derived_identity(ident, grid, batch_size, geometry)
@@ -235,7 +236,7 @@ def _submit(steps: _Steps, x, node: tuple, recipe: list) -> None:
             sets[path + (geometry,)] = (child, out_grid)
             steps.paths[_node(child, device, out_grid, batch_size)] = path + (geometry,)
     steps.job = _Job(x.coords, batch_size, entries, device, stream)
-    _worker().put(steps.job)
+    _worker(device).put(steps.job)
 
 
 def _take(steps: _Steps, pending: _Pending) -> ConvPlan | None:
@@ -243,7 +244,7 @@ def _take(steps: _Steps, pending: _Pending) -> ConvPlan | None:
     (then the layer builds it itself, and this kind of step is built at its layers from now
     on). A layer on another stream than the worker's first waits for the worker's stream."""
     while not pending.done.wait(timeout=1.0):
-        if _thread is None or not _thread.is_alive():
+        if not _worker_alive(pending.device):
             pending.error = RuntimeError("the plan prefetch worker thread ended")
             break
     plan, error, pending.plan = pending.plan, pending.error, None
@@ -278,23 +279,28 @@ def _run(job: _Job) -> None:
     job.entries = job.coords = None  # (the plans are the layers' now)
 
 
-_queue_lock = threading.Lock()
-_jobs: queue.Queue | None = None
-_thread: threading.Thread | None = None
+_workers_lock = threading.Lock()
+_workers: dict = {}  # device -> (queue, thread)
 
 
-def _worker() -> queue.Queue:
-    """The queue of the process's one worker thread (started on first use, again if it ended;
-    a daemon: it never holds a process open). One for all threads and devices: jobs run in
-    the order their steps began."""
-    global _jobs, _thread
-    with _queue_lock:
-        if _thread is None or not _thread.is_alive():
-            _jobs = queue.Queue()
-            _thread = threading.Thread(target=_serve, args=(_jobs,),
-                                       name="flexplan-plan-prefetch", daemon=True)
-            _thread.start()
-    return _jobs
+def _worker(device) -> queue.Queue:
+    """The queue of `device`'s worker thread (started on first use, again if it ended; a
+    daemon: it never holds a process open). One per device, so that one GPU's builds never
+    wait behind another's; on one device jobs run in the order their steps began."""
+    with _workers_lock:
+        known = _workers.get(device)
+        if known is None or not known[1].is_alive():
+            jobs = queue.Queue()
+            thread = threading.Thread(target=_serve, args=(jobs,), daemon=True,
+                                      name=f"flexplan-plan-prefetch-{device}")
+            thread.start()
+            known = _workers[device] = jobs, thread
+    return known[0]
+
+
+def _worker_alive(device) -> bool:
+    known = _workers.get(device)
+    return known is not None and known[1].is_alive()
 
 
 def _serve(jobs: queue.Queue) -> None:
@@ -316,8 +322,9 @@ def _serve(jobs: queue.Queue) -> None:
 def _after_fork_in_child() -> None:
     """A forked child has this module's queue but not its worker thread, nor a lock another
     thread may have held: start afresh (and forget the parent's steps)."""
-    global _jobs, _thread, _queue_lock
-    _queue_lock, _jobs, _thread = threading.Lock(), None, None
+    global _workers_lock
+    _workers_lock = threading.Lock()
+    _workers.clear()
     _steps.__init__()
 
 

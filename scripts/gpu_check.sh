@@ -2,7 +2,7 @@
 # GPU tests and benchmarks in one go, on the GPU machine (system python with torch + Triton,
 # no network). Carry .whl (platformdirs) and .peers (spconv, from ../shared/tools/peers-for-gpu.sh).
 # Usage: bash scripts/gpu_check.sh [tests] [planner] [submconv] [cache] [aot] [table] [tuning] [unet]
-#        [e2e] [layers] [ddp]
+#        [e2e] [layers] [ddp] [precision]
 #        (no argument: everything). Results land in scripts/results/ and, if set, in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +30,7 @@ for step in "${steps[@]}"; do
     e2e)      python3 scripts/bench_e2e.py ;;  # whole train / inference steps vs spconv
     layers)   python3 scripts/bench_layers.py ;;  # the e2e encoder's layer shapes vs spconv, every dtype
     ddp)      python3 scripts/bench_ddp.py ;;  # DDP training on 1 and 2 GPUs vs spconv (2-GPU machine)
+    precision) python3 scripts/bench_precision.py ;;  # precision modes and async prefetch, step by step vs spconv
     *) echo "unknown step $step"; false ;;
   esac || status=1
 done

@@ -198,7 +198,7 @@ def test_async_prefetch_builds_on_the_worker_and_equals_the_layer_built_step(log
     run(net, seed=2)
     threads.clear()
     out = run(net, seed=3, backward=True)
-    assert threads == ["flexplan-plan-prefetch"] * 5  # all 5 built there, none at the layers
+    assert threads == ["flexplan-plan-prefetch-cpu"] * 5  # all 5 built there, none at the layers
     monkeypatch.delenv(plan_prefetch.PREFETCH_ENV)
     feats, indices, grads = reference(3, monkeypatch=monkeypatch)
     assert torch.equal(out.indices, indices)
@@ -208,7 +208,7 @@ def test_async_prefetch_builds_on_the_worker_and_equals_the_layer_built_step(log
     monkeypatch.setenv(plan_prefetch.PREFETCH_ENV, "async")
 
     def failing(coords, grid_shape, batch_size, geometry, identity, training):
-        if threading.current_thread().name == "flexplan-plan-prefetch":
+        if threading.current_thread().name.startswith("flexplan-plan-prefetch"):
             raise RuntimeError("worker build failed")
         return real(coords, grid_shape, batch_size, geometry, identity, training)
 
@@ -218,3 +218,39 @@ def test_async_prefetch_builds_on_the_worker_and_equals_the_layer_built_step(log
     feats, indices, _ = reference(4, monkeypatch=monkeypatch)
     torch.testing.assert_close(out.features, feats, rtol=0, atol=0)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_async_prefetch_on_the_gpu_equals_sync(monkeypatch):
+    """CUDA, fresh coordinates every step: with FLEXPLAN_PLAN_PREFETCH=async (the plans built on
+    the worker thread, on the step's stream) the steps give the sync mode's indices, outputs
+    and gradients, also for a step run on a side stream (the worker then launches there)."""
+    def step(net, seed, stream=None):
+        x = sparse_input((24, 20, 16), batch_size=2, seed=seed)
+        x = spconv.SparseConvTensor(x.features.detach().float().cuda().requires_grad_(),
+                                    x.indices.cuda(), x.spatial_shape, x.batch_size)
+        if stream is None:
+            out = net(x)
+        else:
+            with torch.cuda.stream(stream):
+                stream.wait_stream(torch.cuda.default_stream())
+                out = net(x)
+            torch.cuda.default_stream().wait_stream(stream)
+        out.features.square().sum().backward()
+        return out.indices, out.features.detach(), [p.grad.clone() for p in net.parameters()]
+
+    results = {}
+    for mode in ("1", "async"):
+        monkeypatch.setenv(plan_prefetch.PREFETCH_ENV, mode)
+        plan_prefetch.clear()
+        net = network().float().cuda()
+        side = torch.cuda.Stream()
+        results[mode] = [step(net, seed, side if seed == 5 else None) for seed in range(1, 6)]
+        for p in net.parameters():
+            p.grad = None
+    for (i1, f1, g1), (i2, f2, g2) in zip(results["1"], results["async"]):
+        assert torch.equal(i1, i2)
+        torch.testing.assert_close(f1, f2)
+        for a, b in zip(g1, g2):
+            torch.testing.assert_close(a, b)

@@ -173,21 +173,57 @@ def _remember(steps: _Steps) -> None:
 
 def _prefetch(steps: _Steps, x, node: tuple, recipe: list) -> None:
     """Build (or find in the cache) every plan of `recipe` over x's coordinates and the
-    coordinates its strided plans make, in the recorded order."""
+    coordinates its strided plans make, in the recorded order, here; the first failure
+    raises."""
+    def put(key, plan, error):
+        if error is not None:
+            raise error
+        steps.prefetched[key] = plan
+
+    _build_in_order(x.coords, x.batch_size, _plan_entries(steps, x, node, recipe), put)
+
+
+def _plan_entries(steps: _Steps, x, node: tuple, recipe: list) -> list:
+    """The requests of `recipe` that this step's coordinates reach, in order, as (path,
+    geometry, training, grid, identity, key): keyed on the host before any is built (a
+    strided request's output coordinates take their identity and grid from its input's), and
+    their paths noted for the layers (steps.paths)."""
     device, batch_size = x.coords.device, x.batch_size
-    sets = {(): (x.coords, x.grid_shape, node[0])}  # path -> coords, grid, identity
+    sets = {(): (node[0], tuple(x.grid_shape))}  # path -> identity, grid
+    entries = []
     for path, geometry, training in recipe:
         at = sets.get(path)
         if at is None:  # recorded on coordinates this sequence does not make: stop here
-            return
-        coords, grid_shape, ident = at
-        plan = _cached(coords, grid_shape, batch_size, geometry, ident, training)
-        steps.prefetched[(_node(ident, device, grid_shape, batch_size), geometry)] = plan
+            break
+        ident, grid = at
+        entries.append((path, geometry, training, grid, ident,
+                        (_node(ident, device, grid, batch_size), geometry)))
         if not geometry.submanifold:
-            child = derived_identity(ident, grid_shape, batch_size, geometry)
-            sets[path + (geometry,)] = (plan.out_coords, plan.out_spatial_shape, child)
-            steps.paths[_node(child, device, plan.out_spatial_shape, batch_size)] = (
-                path + (geometry,))
+            child = derived_identity(ident, grid, batch_size, geometry)
+            out_grid = output_spatial_shape(grid, geometry)
+            sets[path + (geometry,)] = (child, out_grid)
+            steps.paths[_node(child, device, out_grid, batch_size)] = path + (geometry,)
+    return entries
+
+
+def _build_in_order(coords, batch_size: int, entries: list, put, cancelled=lambda: False):
+    """Build (or find in the cache) the entries' plans in order over `coords` and the
+    coordinates the strided ones make; put(target, plan, None) each, or put(target, None,
+    exception) where it failed (its input missing, or cancelled()). target: an entry's last
+    item."""
+    coords_of = {(): coords}
+    for path, geometry, training, grid, ident, target in entries:
+        try:
+            at = coords_of.get(path)
+            if at is None or cancelled():
+                raise RuntimeError("not built: the step ended or its input was not built")
+            plan = _cached(at, grid, batch_size, geometry, ident, training)
+            if not geometry.submanifold:
+                coords_of[path + (geometry,)] = plan.out_coords
+        except BaseException as exc:  # noqa: BLE001 - the caller's to raise or hand over
+            put(target, None, exc)
+            continue
+        put(target, plan, None)
 
 
 # ---------------------------------------------------------------- async: a worker thread
@@ -215,27 +251,16 @@ class _Job:
 
 
 def _submit(steps: _Steps, x, node: tuple, recipe: list) -> None:
-    """Queue the step's plans on the worker: a pending plan per request, keyed now (the output
-    coordinates' identity and grid of a strided request follow from its input's on the host)."""
-    device, batch_size = x.coords.device, x.batch_size
+    """Queue the step's plans on the worker of its device: a pending plan per request (the
+    first of a key; a layer's later request of it finds the cache)."""
+    device = x.coords.device
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    sets = {(): (node[0], tuple(x.grid_shape))}  # path -> identity, grid
     entries = []
-    for path, geometry, training in recipe:
-        at = sets.get(path)
-        if at is None:  # recorded on coordinates this sequence does not make: stop here
-            break
-        ident, grid = at
-        key = (_node(ident, device, grid, batch_size), geometry)
+    for *entry, key in _plan_entries(steps, x, node, recipe):
         if key not in steps.prefetched:
             pending = steps.prefetched[key] = _Pending(steps.kind, device, stream)
-            entries.append((path, geometry, training, grid, ident, pending))
-        if not geometry.submanifold:
-            child = derived_identity(ident, grid, batch_size, geometry)
-            out_grid = output_spatial_shape(grid, geometry)
-            sets[path + (geometry,)] = (child, out_grid)
-            steps.paths[_node(child, device, out_grid, batch_size)] = path + (geometry,)
-    steps.job = _Job(x.coords, batch_size, entries, device, stream)
+            entries.append((*entry, pending))
+    steps.job = _Job(x.coords, x.batch_size, entries, device, stream)
     _worker(device).put(steps.job)
 
 
@@ -260,22 +285,12 @@ def _take(steps: _Steps, pending: _Pending) -> ConvPlan | None:
 
 
 def _run(job: _Job) -> None:
-    """Build a job's plans in order (on the worker thread), each into its pending; every
-    pending is set, whatever happens."""
-    coords_of = {(): job.coords}
-    for path, geometry, training, grid, ident, pending in job.entries:
-        try:
-            coords = coords_of.get(path)
-            if job.cancelled or coords is None:
-                raise RuntimeError("not built: the step ended or its input was not built")
-            plan = _cached(coords, grid, job.batch_size, geometry, ident, training)
-            if not geometry.submanifold:
-                coords_of[path + (geometry,)] = plan.out_coords
-            pending.plan = plan
-        except BaseException as exc:  # noqa: BLE001 - handed to the layer that asks
-            pending.error = exc
-        finally:
-            pending.done.set()
+    """Build a job's plans in order (on the worker thread), each into its pending."""
+    def put(pending, plan, error):
+        pending.plan, pending.error = plan, error
+        pending.done.set()
+
+    _build_in_order(job.coords, job.batch_size, job.entries, put, lambda: job.cancelled)
     job.entries = job.coords = None  # (the plans are the layers' now)
 
 

@@ -11,7 +11,6 @@ W.permute(0, 4, 1, 2, 3) / W.permute(4, 0, 1, 2, 3).
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -106,6 +105,19 @@ def _record(indice_dict: dict, key, geometry: ConvGeometry, data: IndiceData) ->
     return {**indice_dict, key: data}
 
 
+def strided_plan_and_record(layer, x: SparseConvTensor):
+    """(plan, the output's Plans, the output's indice_dict) of a strided or transposed conv or
+    pool over x: new output coordinates, named from the input's (never hashed), recorded under
+    the layer's indice_key for an inverse conv."""
+    plan = tensor_plan(x, layer.geometry, training=torch.is_grad_enabled())
+    plans = Plans(derived_identity(x.coords_identity(), x._spatial_shape, x.batch_size,
+                                   layer.geometry))
+    indice_dict = _record(x.indice_dict, layer.indice_key, layer.geometry, IndiceData(
+        plan.out_coords, x.coords, x._spatial_shape, plan.out_spatial_shape,
+        is_subm=False, plan=plan, in_plans=x._plans))
+    return plan, plans, indice_dict
+
+
 class SparseConvolution(_LoadsNativeLayout, SparseModule):
     """Strided, transposed or inverse sparse convolution (spconv's SparseConvolution, ndim=3).
 
@@ -162,16 +174,9 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
         return x._derived(feats, plan.out_coords, plan.out_spatial_shape, indice_dict, plans)
 
     def _plan_and_record(self, x: SparseConvTensor):
-        """(plan, the output's Plans, the output's indice_dict) of a strided or transposed conv
-        over x (the 4D layers ask their own planner)."""
-        plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled())
-        # The output coords are named from the input's: never hashed.
-        plans = Plans(derived_identity(x.coords_identity(), x._spatial_shape, x.batch_size,
-                                       self.geometry))
-        indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
-            plan.out_coords, x.coords, x._spatial_shape, plan.out_spatial_shape,
-            is_subm=False, plan=plan, in_plans=x._plans))
-        return plan, plans, indice_dict
+        """(plan, the output's Plans, the output's indice_dict) over x (the 4D layers ask their
+        own planner)."""
+        return strided_plan_and_record(self, x)
 
     def _paired(self, x: SparseConvTensor) -> IndiceData:
         """An inverse conv's paired conv, as recorded under its indice_key on x's path."""

@@ -17,14 +17,11 @@ from __future__ import annotations
 import torch
 
 from ..geometry4d import ConvGeometry4d, quad
-from ..ops.pool import sparse_pool
 from ..plan_provider import tensor_plan_4d
 from ..sparse_tensor import Plans
 from .sparse_conv_tensor import IndiceData, SparseConvTensor
-from .spconv_layers import (SparseConvolution, _InverseNd, _record, _StridedNd, algo_name,
-                            check_ndim)
+from .spconv_layers import SparseConvolution, _InverseNd, _record, _StridedNd, algo_name
 from .spconv_pool import SparseAvgPool, SparseMaxPool, SparsePool, _PoolNd
-from .spconv_pool import _check_input as _check_pool_input
 
 
 def _plan_and_record(layer, x: SparseConvTensor):
@@ -137,12 +134,8 @@ class SparsePool4d(SparsePool):
         self.indice_key, self.subm, self.algo = indice_key, subm, algo
         self.record_voxel_count = record_voxel_count
 
-    def forward(self, x: SparseConvTensor) -> SparseConvTensor:
-        _check_pool_input(self, x)
-        check_ndim(self, x)
-        plan, plans, indice_dict = _plan_and_record(self, x)
-        feats = sparse_pool(x.features, plan, self.mode, self.zero_floor)
-        return x._derived(feats, plan.out_coords, plan.out_spatial_shape, indice_dict, plans)
+    def _plan_and_record(self, x: SparseConvTensor):  # (forward: SparsePool's)
+        return _plan_and_record(self, x)
 
 
 class SparseMaxPool4d(_PoolNd, SparsePool4d, SparseMaxPool):

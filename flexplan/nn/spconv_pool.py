@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.key import derived_identity
 from ..geometry import ConvGeometry
 from ..ops.pool import global_pool, sparse_pool
 from ..plan_provider import tensor_plan
-from ..sparse_tensor import Plans
-from .sparse_conv_tensor import IndiceData, SparseConvTensor
-from .spconv_layers import SparseModule, _record, check_ndim, lift
+from .sparse_conv_tensor import SparseConvTensor
+from .spconv_layers import SparseModule, check_ndim, lift, strided_plan_and_record
 
 
 def _check_input(module, x) -> None:
@@ -52,17 +50,17 @@ class SparsePool(SparseModule):
     def forward(self, x: SparseConvTensor) -> SparseConvTensor:
         _check_input(self, x)
         check_ndim(self, x)
-        plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled())  # as the convs ask
-        if self.subm:
-            plans, indice_dict = x._plans, x.indice_dict
-        else:  # the output coords are named from the input's: never hashed
-            plans = Plans(derived_identity(x.coords_identity(), x._spatial_shape, x.batch_size,
-                                           self.geometry))
-            indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
-                plan.out_coords, x.coords, x._spatial_shape, plan.out_spatial_shape,
-                is_subm=False, plan=plan, in_plans=x._plans))
+        plan, plans, indice_dict = self._plan_and_record(x)
         feats = sparse_pool(x.features, plan, self.mode, self.zero_floor)
         return x._derived(feats, plan.out_coords, plan.out_spatial_shape, indice_dict, plans)
+
+    def _plan_and_record(self, x: SparseConvTensor):
+        """(plan, the output's Plans, the output's indice_dict), as the convs ask (the 4D
+        pools ask their own planner)."""
+        if self.subm:
+            return tensor_plan(x, self.geometry, training=torch.is_grad_enabled()), x._plans, \
+                x.indice_dict
+        return strided_plan_and_record(self, x)
 
     def extra_repr(self) -> str:
         s = f"kernel_size={self.kernel_size}, stride={self.stride}"

@@ -162,7 +162,7 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     # (a copy of V*Ci*Co elements, small next to the convolution; keeps tiles K-major).
     w_nvk = weight if part == "fwd" else weight.transpose(0, 2).contiguous()
     split = cfg.splitk > 1
-    acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
+    acc_dtype = torch_fallback.accumulator_dtype(src.dtype)
     dest = torch.empty((cfg.splitk, m, n), dtype=acc_dtype, device=src.device) if split else out
     has_bias = bias is not None and not split
 
@@ -237,7 +237,7 @@ def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bo
     dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()
     problem = Problem(pairs, ci, co, v, config_dtype(dtype, hip), algo, "wgrad")
     cfg = precision_config(select_config(WGRAD, problem), WGRAD, dtype, hip)
-    acc_dtype = torch.float64 if src.dtype == torch.float64 else torch.float32
+    acc_dtype = torch_fallback.accumulator_dtype(src.dtype)
     if cfg.splitk > 1:
         dest = torch.empty((cfg.splitk, co, v, ci), dtype=acc_dtype, device=src.device)
     else:
@@ -316,8 +316,8 @@ class SparseConvFunction(torch.autograd.Function):
             grad_weight = wgrad(grad_out, feats, plan, weight.shape, part_algo, allow_tf32,
                                 out_dtype=ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_out.sum(0, dtype=torch.float64 if feats.dtype == torch.float64
-                                     else torch.float32).to(ctx.bias_dtype)
+            grad_bias = grad_out.sum(
+                0, dtype=torch_fallback.accumulator_dtype(feats.dtype)).to(ctx.bias_dtype)
         return grad_feats, grad_weight, grad_bias, None, None, None, None
 
 

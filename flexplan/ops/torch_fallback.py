@@ -14,7 +14,9 @@ from ..kernel_configs import EXPLICIT_WORKSPACE_BYTES
 from ..plan import MISSING
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the ops sum in, kernels and this module alike: float64 for float64 inputs, else
+    float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -37,7 +39,7 @@ def gather_gemm(src, weight, bias, nmap, reverse: bool, part: str) -> torch.Tens
     dgrad (weight [Co, V, Ci], src the output gradient) out[m] = sum_v W[:, v, :]^T @
     src[nmap[m, v']], v' = V - 1 - v when reverse (a submanifold map read backwards)."""
     co, v, ci = weight.shape
-    acc = _acc_dtype(src.dtype)
+    acc = accumulator_dtype(src.dtype)
     if reverse:
         nmap = nmap.flip(1)
     w = weight.to(acc)
@@ -57,7 +59,7 @@ def wgrad(grad_out, src, nmap, weight_shape) -> torch.Tensor:
     """ops.conv.wgrad's sums over the fwd map: grad_w[:, v, :] = sum_m grad_out[m]^T src[nmap[m, v]]
     ([Co, V, Ci], fp32 / fp64 accumulation)."""
     co, v, ci = weight_shape
-    acc = _acc_dtype(src.dtype)
+    acc = accumulator_dtype(src.dtype)
     grad_w = torch.zeros((co, v * ci), dtype=acc, device=src.device)
     for start, stop in _row_chunks(nmap.shape[0], v * ci * 8):
         cols = gather_rows(src, nmap[start:stop]).to(acc).reshape(stop - start, -1)
@@ -75,6 +77,6 @@ def pool(feats, nmap, mode: str, zero_floor: bool) -> torch.Tensor:
             return torch.where(out > 0, out, 0).to(feats.dtype)
         has_input = (nmap != MISSING).any(1, keepdim=True)  # an empty window gives 0
         return torch.where(has_input, out, 0).to(feats.dtype)
-    windows = gather_rows(feats.to(_acc_dtype(feats.dtype)), nmap)
+    windows = gather_rows(feats.to(accumulator_dtype(feats.dtype)), nmap)
     count = (nmap != MISSING).sum(1, keepdim=True).clamp_min(1)
     return (windows.sum(1) / count).to(feats.dtype)

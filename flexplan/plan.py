@@ -185,7 +185,8 @@ class GatherMap:
     Both mappings are read-only (BlockRuns, or proxies of the dicts given).
 
     derived_views:    name -> tensor: the views the kernels read, derived from the fields above
-                      ("sorted_map_t" [V, M], "chunk_order"), kept with this map object once
+                      ("sorted_map_t" [V, M], "chunk_order"; "transposed_map" [N_in, V] for
+                      a pool's backward over an inference plan), kept with this map object once
                       made. The map never fills it itself (it is a passive value):
                       flexplan/plan_views.py derives each view on first use and keeps it here.
                       Not written to plan files, not pickled, not carried by map_tensors / to().

@@ -18,6 +18,8 @@ from .graph_capture import capturing, device_constant
 from .kernel_configs import CHUNK_ORDER_MIN_ROWS, SCHEDULE_CHUNK
 from .plan import (GatherMap, chunk_order_torch, kernels_run_on, launch_chunk_order,
                    launch_sorted_map_t, sorted_map_t_torch)
+from .planner.generative import transposed_map_torch
+from .planner.generative_triton import transposed_map_triton
 
 
 def sorted_map_t(gmap: GatherMap) -> torch.Tensor:
@@ -60,6 +62,24 @@ def chunk_order(gmap: GatherMap) -> torch.Tensor:
             view = chunk_order_torch(idx)
         if not capturing(idx.device):
             gmap.derived_views["chunk_order"] = view
+    return view
+
+
+def transposed_map(gmap: GatherMap, num_in: int) -> torch.Tensor:
+    """int32 [num_in, V]: the neighbour map read the other way (entry (i, v) is the row o with
+    gmap.neighbor_map[o, v] = i, or MISSING), for a strided plan's fwd map whose plan keeps no
+    bwd map (an inference plan) when a pool's backward asks for it. Only the map, no schedule:
+    the pool's backward kernel walks rows in order. Derived on first use (one launch) and kept
+    with the map object, like sorted_map_t."""
+    view = gmap.derived_views.get("transposed_map")
+    if view is None:
+        nmap = gmap.neighbor_map
+        if kernels_run_on(nmap):
+            view = transposed_map_triton(nmap, num_in)
+        else:
+            view = transposed_map_torch(nmap, num_in)
+        if not capturing(nmap.device):
+            gmap.derived_views["transposed_map"] = view
     return view
 
 

@@ -62,11 +62,14 @@ def expected_outputs(coords, geom, out_shape, batch_size):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("mode", ["max", "avg"])
-def test_pool_matches_float64_reference(case, mode, device):
+@pytest.mark.parametrize("training", [True, False], ids=["training_plan", "inference_plan"])
+def test_pool_matches_float64_reference(case, mode, training, device):
+    """Forward and gradient on either kind of plan: an inference plan's backward map is its fwd
+    map transposed (ops.pool.backward_map)."""
     geom = geometry(case)
     gen = torch.Generator().manual_seed(hash((IDS[CASES.index(case)], mode)) % 2**31)
     coords = random_coords(70, SHAPE, 2, generator=gen)
-    plan = build_plan(coords.to(device), SHAPE, 2, geom)
+    plan = build_plan(coords.to(device), SHAPE, 2, geom, training=training)
     out_shape = SHAPE if geom.submanifold else output_spatial_shape(SHAPE, geom)
     want = coords if geom.submanifold else expected_outputs(coords, geom, out_shape, 2)
     got = plan.out_coords.cpu()
@@ -115,8 +118,16 @@ def test_pool_inference_plan_and_bad_input(device):
     full = build_plan(coords, SHAPE, 2, geom)
     feats = torch.randn(coords.shape[0], 8, dtype=torch.float64, device=device)
     torch.testing.assert_close(sparse_pool(feats, plan), sparse_pool(feats, full))
-    with pytest.raises(RuntimeError, match="inference plan"):
-        sparse_pool(feats.clone().requires_grad_(), plan).sum().backward()
+    grads = []
+    for p in (plan, plan, full):  # the inference plan twice: its derived map kept and reused
+        x = feats.clone().requires_grad_()
+        sparse_pool(x, p).backward(torch.arange(float(p.num_out * 8), dtype=torch.float64,
+                                                device=device).view(-1, 8))
+        grads.append(x.grad)
+    assert "transposed_map" in plan.fwd.derived_views and plan.bwd is None
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[2])
+    torch.testing.assert_close(grads[1], grads[2])
     with pytest.raises(ValueError, match="rows"):
         sparse_pool(feats[1:], full)
     with pytest.raises(ValueError, match="mode"):
@@ -170,6 +181,19 @@ def test_spconv_pool_layers(device):
     avg = spconv.SparseAvgPool3d(3, 2, 1)(x)
     torch.testing.assert_close(avg.features, sparse_pool(feats, build_plan(
         coords, SHAPE, 2, ConvGeometry.make(3, 1, 2, 1, submanifold=False)), "avg"))
+    # Training without an indice_key: an inference plan (the pool's backward needs no more);
+    # with one, a training plan, which the paired inverse conv's own backward needs.
+    xg = spconv.SparseConvTensor(feats.clone().requires_grad_(), coords, SHAPE, 2)
+    free = spconv.SparseMaxPool3d(2)
+    free(xg).features.sum().backward()
+    assert not xg._plans.get(free.geometry).for_training
+    torch.testing.assert_close(xg.features.grad, torch.autograd.grad(
+        sparse_pool(xg.features, plan).relu().sum(), xg.features)[0])
+    xk = spconv.SparseConvTensor(feats.clone().requires_grad_(), coords, SHAPE, 2)
+    y = net(xk)
+    y.features.sum().backward()
+    assert xk._plans.get(pool.geometry).for_training
+    assert xk.features.grad.abs().sum() > 0 and net[1].weight.grad.abs().sum() > 0
     subm = spconv.SparseMaxPool(3, 3, 1, subm=True)(x)
     assert torch.equal(subm.indices, coords)
     with torch.no_grad():

@@ -105,11 +105,14 @@ def _record(indice_dict: dict, key, geometry: ConvGeometry, data: IndiceData) ->
     return {**indice_dict, key: data}
 
 
-def strided_plan_and_record(layer, x: SparseConvTensor):
+def strided_plan_and_record(layer, x: SparseConvTensor, training: bool | None = None):
     """(plan, the output's Plans, the output's indice_dict) of a strided or transposed conv or
     pool over x: new output coordinates, named from the input's (never hashed), recorded under
-    the layer's indice_key for an inverse conv."""
-    plan = tensor_plan(x, layer.geometry, training=torch.is_grad_enabled())
+    the layer's indice_key for an inverse conv. training: the plan's kind (default: whether
+    autograd records)."""
+    if training is None:
+        training = torch.is_grad_enabled()
+    plan = tensor_plan(x, layer.geometry, training=training)
     plans = Plans(derived_identity(x.coords_identity(), x._spatial_shape, x.batch_size,
                                    layer.geometry))
     indice_dict = _record(x.indice_dict, layer.indice_key, layer.geometry, IndiceData(

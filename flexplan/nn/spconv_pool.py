@@ -60,7 +60,11 @@ class SparsePool(SparseModule):
         if self.subm:
             return tensor_plan(x, self.geometry, training=torch.is_grad_enabled()), x._plans, \
                 x.indice_dict
-        return strided_plan_and_record(self, x)
+        # The pool's own backward needs only the fwd map (ops.pool.backward_map): an inference
+        # plan, cheaper to build on new coordinates. One an inverse conv may pair with (an
+        # indice_key) is a training plan, which that conv's own backward needs.
+        return strided_plan_and_record(
+            self, x, training=torch.is_grad_enabled() and self.indice_key is not None)
 
     def extra_repr(self) -> str:
         s = f"kernel_size={self.kernel_size}, stride={self.stride}"

@@ -3,7 +3,8 @@
 The window of a pool is a convolution's: a strided (or submanifold) plan of the pool's kernel,
 stride, padding and dilation gives the output coordinates (spconv's rules) and, per output row,
 the input rows of its window (plan.fwd); the backward reads the plan's bwd map (a submanifold
-plan: its fwd map). Kernels: kernels_src/sparse_pool.py.
+plan: its fwd map; an inference plan: its fwd map transposed, backward_map), so any plan
+serves both directions. Kernels: kernels_src/sparse_pool.py.
 
     max: the largest value of the window's inputs, per channel; its gradient goes to the first
          input (in tap order) holding it. zero_floor=True: max(0, that), which is what spconv's
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import plan_views
 from ..compile_boundary import opaque
 from ..device_guard import on_device_of
 from ..kernels_src.sparse_pool import sparse_pool_bwd_kernel, sparse_pool_fwd_kernel
@@ -80,20 +82,28 @@ class SparsePoolFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         plan, mode = ctx.plan, ctx.mode
         arg, count = ctx.saved_tensors
-        if not plan.for_training:
-            raise RuntimeError("this pooling ran on an inference plan (built with training=False, "
-                               "e.g. under torch.no_grad), which has no backward map: build the "
-                               "plan with training=True to differentiate")
         grad_out = grad_out.contiguous()
         channels = grad_out.shape[1]
-        # Submanifold plans keep no bwd map: their fwd map lists each voxel's neighbours, the
-        # same set (the window is symmetric), and the pool's backward sums over the whole set.
-        bmap = (plan.fwd if plan.bwd is None else plan.bwd).neighbor_map.contiguous()
+        bmap = backward_map(plan)
         grad_in = grad_out.new_empty((ctx.num_in, channels))
         if ctx.num_in and channels:
             launch_pool_backward(launch, grad_out, bmap, arg, count, grad_in, ctx.num_in, channels,
                                  mode, plan.geometry.volume, grad_out.dtype)
         return grad_in, None, None, None
+
+
+def backward_map(plan: ConvPlan) -> torch.Tensor:
+    """[N_in, V]: per input row, the output rows whose windows hold it. A submanifold plan's fwd
+    map serves as is (its window is symmetric, and the pool's backward sums over the whole set);
+    a strided training plan has it (its bwd map); an inference plan's is derived from its fwd
+    map on first use (plan_views.transposed_map: one launch, kept with the plan), so a pool
+    that trains needs only an inference plan, a third to a half cheaper to build than a
+    training plan on new coordinates (no bwd schedule, no pairs; scripts/results/bench_pool.md)."""
+    if plan.geometry.submanifold:
+        return plan.fwd.neighbor_map.contiguous()
+    if plan.bwd is not None:
+        return plan.bwd.neighbor_map.contiguous()
+    return plan_views.transposed_map(plan.fwd, plan.num_in)
 
 
 def _check(feats, plan, mode):

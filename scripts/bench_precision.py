@@ -8,6 +8,7 @@ step by step, so a ratio compares steps taken milliseconds apart.
 
 Usage (GPU): python3 scripts/bench_precision.py [--steps 30] [--warmup 8]
              [--networks encoder,unet] [--phases train,infer] [--coords fresh,same]
+             [--variants flexplan-unfused,flexplan-async]
 Writes scripts/results/bench_precision.md.
 """
 from __future__ import annotations
@@ -25,40 +26,45 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 
 import bench_e2e as e2e  # noqa: E402
+from flexplan.nn.eval_fusion import FUSE_ENV  # noqa: E402
+from flexplan.plan_prefetch import PREFETCH_ENV  # noqa: E402
 
 RESULTS = SCRIPTS / "results" / "bench_precision.md"
-RUNS = (("flexplan", "fp16"), ("flexplan", "amp-fp16"), ("flexplan", "bf16"),
-        ("flexplan", "fp32"), ("spconv", "fp16"), ("spconv", "amp-fp16"), ("spconv", "fp32"),
-        ("flexplan-async", "fp16"))
-# flexplan-async: flexplan with FLEXPLAN_PLAN_PREFETCH=async around each of its steps (the
-# plans of a step built on a worker thread: flexplan/plan_prefetch.py).
-ASYNC = "flexplan-async"
+BASE_RUNS = (("flexplan", "fp16"), ("flexplan", "amp-fp16"), ("flexplan", "bf16"),
+             ("flexplan", "fp32"), ("spconv", "fp16"), ("spconv", "amp-fp16"), ("spconv", "fp32"))
+# Variants: flexplan fp16 with an environment setting around each of its steps (read at each
+# step). flexplan-async: the step's plans built on a worker thread (flexplan/plan_prefetch.py;
+# measured slower, off by default: bench_precision.md's notes). flexplan-unfused: eval-mode
+# conv -> BatchNorm -> ReLU runs not fused (flexplan/nn/eval_fusion.py).
+VARIANTS = {"flexplan-async": (PREFETCH_ENV, "async"), "flexplan-unfused": (FUSE_ENV, "0")}
 # (label with the issue's bound, numerator run, denominator run): step-time ratios.
-RATIOS = (
+BASE_RATIOS = (
     ("flexplan amp-fp16 / fp16 (<= 1.10)", ("flexplan", "amp-fp16"), ("flexplan", "fp16")),
     ("flexplan bf16 / fp16 (<= 1.10)", ("flexplan", "bf16"), ("flexplan", "fp16")),
     ("spconv fp32 / flexplan fp32 (>= 1.2, train)", ("spconv", "fp32"), ("flexplan", "fp32")),
     ("spconv fp16 / flexplan fp16", ("spconv", "fp16"), ("flexplan", "fp16")),
     ("spconv amp / flexplan amp", ("spconv", "amp-fp16"), ("flexplan", "amp-fp16")),
-    ("flexplan async / sync prefetch, fp16", (ASYNC, "fp16"), ("flexplan", "fp16")),
-    ("spconv fp16 / flexplan async fp16", ("spconv", "fp16"), (ASYNC, "fp16")),
 )
+VARIANT_RATIOS = {
+    "flexplan-async": ("flexplan async / sync prefetch, fp16", ("flexplan-async", "fp16"),
+                       ("flexplan", "fp16")),
+    "flexplan-unfused": ("flexplan fp16 / flexplan unfused fp16", ("flexplan", "fp16"),
+                         ("flexplan-unfused", "fp16")),
+}
 
 
-def with_async_prefetch(step):
-    """step with FLEXPLAN_PLAN_PREFETCH=async while it runs (read at each step's first plan)."""
-    from flexplan import plan_prefetch
-
+def with_env(step, name: str, value: str):
+    """step with the environment variable `name` set to `value` while it runs."""
     def run(batch):
-        before = os.environ.get(plan_prefetch.PREFETCH_ENV)
-        os.environ[plan_prefetch.PREFETCH_ENV] = "async"
+        before = os.environ.get(name)
+        os.environ[name] = value
         try:
             return step(batch)
         finally:
             if before is None:
-                del os.environ[plan_prefetch.PREFETCH_ENV]
+                del os.environ[name]
             else:
-                os.environ[plan_prefetch.PREFETCH_ENV] = before
+                os.environ[name] = before
     return run
 
 
@@ -69,11 +75,18 @@ def parse_args():
     p.add_argument("--networks", default="encoder,unet")
     p.add_argument("--phases", default="train,infer")
     p.add_argument("--coords", default="fresh,same")
+    p.add_argument("--variants", default="flexplan-unfused",
+                   help="comma-separated flexplan fp16 variants to run too: " + ", ".join(VARIANTS))
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
-    for name in ("networks", "phases", "coords"):
+    for name in ("networks", "phases", "coords", "variants"):
         setattr(args, name, [v for v in getattr(args, name).split(",") if v])
     args.batch, args.seed = 2, 0
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}; choose from {sorted(VARIANTS)}")
+    args.runs = BASE_RUNS + tuple((v, "fp16") for v in args.variants)
+    args.ratios = BASE_RATIOS + tuple(VARIANT_RATIOS[v] for v in args.variants)
     return args
 
 
@@ -86,22 +99,22 @@ def paired(cell: dict, a, b) -> float | None:
 
 
 def run_cell(ctx, source, net_cls, state, phase: str, coords: str, args, errors: list) -> dict:
-    """Every run of RUNS on its own model, step by step in turn: step i of each run, in an
+    """Every run of args.runs on its own model, step by step in turn: step i of each run, in an
     order rotated with i, then step i + 1. Fresh: each run has batches of its own (flexplan's
     runs must not find each other's plans); same: one batch for all. Returns run -> [ms]."""
     n = args.warmup + args.steps
     shared = source.take(1, torch.float32) * n if coords == "same" else None
     runs = {}
-    for impl, mode_name in RUNS:
+    for impl, mode_name in args.runs:
         mode = e2e.MODES[mode_name]
         base = shared if shared is not None else source.take(n, torch.float32)
         batches = [b._replace(features=b.features.to(mode.input_dtype)) for b in base]
-        sp = ctx.namespaces["flexplan" if impl == ASYNC else impl]
+        sp = ctx.namespaces["flexplan" if impl in VARIANTS else impl]
         try:
             net = e2e.build_model(net_cls, sp, state, mode, ctx.sizes, ctx.device)
             step = e2e.STEP_FNS[phase](net, sp, mode, ctx.device)
-            if impl == ASYNC:
-                step = with_async_prefetch(step)
+            if impl in VARIANTS:
+                step = with_env(step, *VARIANTS[impl])
             e2e.timed(step, batches[:args.warmup], ctx.device)
         except Exception as exc:
             errors.append(f"{impl} {mode_name} {phase} {coords}: {e2e.short_error(exc)}")
@@ -155,20 +168,20 @@ def main() -> int:
              f"turns step by step ({args.steps} steps each, the order rotated every step), so all "
              "see the host's speed of the same seconds. fresh: every run its own new batches; "
              "same: one batch for all. Cells: median ms (p25-p75).", "",
-             "| network | step | coords | " + " | ".join(f"{i} {m}" for i, m in RUNS) + " |",
-             "|---|---|---|" + "---|" * len(RUNS)]
+             "| network | step | coords | " + " | ".join(f"{i} {m}" for i, m in args.runs) + " |",
+             "|---|---|---|" + "---|" * len(args.runs)]
     for (net, phase, coords), cell in cells.items():
         row = []
-        for run in RUNS:
+        for run in args.runs:
             v = sorted(cell.get(run, []))
             row.append(f"{statistics.median(v):.1f} ({v[len(v) // 4]:.1f}-{v[3 * len(v) // 4]:.1f})"
                        if v else "-")
         lines.append(f"| {net} | {phase} | {coords} | " + " | ".join(row) + " |")
     lines += ["", "Ratios: median over steps of the two runs' step-time ratio at the same step.", "",
-              "| network | step | coords | " + " | ".join(r[0] for r in RATIOS) + " |",
-              "|---|---|---|" + "---|" * len(RATIOS)]
+              "| network | step | coords | " + " | ".join(r[0] for r in args.ratios) + " |",
+              "|---|---|---|" + "---|" * len(args.ratios)]
     for (net, phase, coords), cell in cells.items():
-        vals = [paired(cell, a, b) for _, a, b in RATIOS]
+        vals = [paired(cell, a, b) for _, a, b in args.ratios]
         lines.append(f"| {net} | {phase} | {coords} | " +
                      " | ".join("-" if v is None else f"{v:.2f}" for v in vals) + " |")
     lines += ["", "Errors and compilations in timed steps: " + ("; ".join(errors) if errors else "none")]

@@ -139,3 +139,20 @@ def test_2d_network_fuses(device, monkeypatch):
         got, want = net(x()), unfused(net, x, monkeypatch)
     assert len(calls) == 1
     torch.testing.assert_close(got.features, want.features, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_under_autocast(device, monkeypatch):
+    """An fp32 model under autocast: the folded parameters are kept in the autocast dtype (no
+    cast per call) and the outputs match the unfused autocast run."""
+    gen = torch.Generator().manual_seed(5)
+    net = network(gen).float().to(device).eval()
+    x = inputs(gen, device, torch.float32)
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    calls = count_fused(monkeypatch)
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
+        want = unfused(net, x, monkeypatch)
+        got = net(x())
+    assert len(calls) == 4 and got.features.dtype == want.features.dtype == dtype
+    assert net[0]._flexplan_folded[2].dtype == dtype
+    tol = 2e-2 if dtype == torch.float16 else 1e-1
+    torch.testing.assert_close(got.features.double(), want.features.double(), rtol=tol, atol=tol)

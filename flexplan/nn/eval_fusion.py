@@ -24,6 +24,7 @@ import os
 import torch
 from torch.nn.modules import module as torch_module
 
+from ..ops.conv import autocast_dtype
 from .spconv_modules import (FlexSparseSyncBatchNorm, SparseBatchNorm, SparseReLU,
                              SparseSyncBatchNorm)
 from .sync_batchnorm import SyncBatchNorm
@@ -86,12 +87,13 @@ def _stamp(tensors, eps: float) -> tuple:
                                                   t.device) for t in tensors)
 
 
-def folded(conv, bn) -> tuple[torch.Tensor, torch.Tensor]:
+def folded(conv, bn, cast: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, bias) of the conv with the BatchNorm folded in: weight in conv_weight()'s layout
-    and dtype, bias in the weight's dtype. Computed in fp32 (fp64 for fp64 weights) and kept
-    on the conv until a source changes."""
+    and dtype, bias in the weight's dtype; cast: in that dtype instead (the autocast dtype the
+    op would cast them to on every call). Computed in fp32 (fp64 for fp64 weights) and kept on
+    the conv until a source changes."""
     sources = _sources(conv, bn)
-    stamp = _stamp(sources, bn.eps)
+    stamp = _stamp(sources, bn.eps) + (cast,)
     kept = conv.__dict__.get("_flexplan_folded")
     if kept is not None and kept[0] == stamp:
         return kept[2], kept[3]
@@ -106,8 +108,9 @@ def folded(conv, bn) -> tuple[torch.Tensor, torch.Tensor]:
             shift = shift + bn.bias.to(acc)
         if conv.bias is not None:
             shift = shift + conv.bias.to(acc) * scale
-        weight = (w.to(acc) * scale.view(-1, *(1,) * (w.dim() - 1))).to(w.dtype)
-        bias = shift.to(w.dtype)
+        out_dtype = w.dtype if cast is None else cast
+        weight = (w.to(acc) * scale.view(-1, *(1,) * (w.dim() - 1))).to(out_dtype)
+        bias = shift.to(out_dtype)
     # A plain attribute (not a buffer: no state_dict entry), set past Module.__setattr__.
     conv.__dict__["_flexplan_folded"] = (stamp, sources, weight, bias)
     return weight, bias
@@ -115,7 +118,7 @@ def folded(conv, bn) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_fused(conv, bn, relu, x):
     """conv -> bn (-> relu) on x as one conv with the folded parameters."""
-    weight, bias = folded(conv, bn)
+    weight, bias = folded(conv, bn, autocast_dtype(x.feats))
     out = conv.conv_with(x, weight, bias)
     if relu is not None:
         out.feats.relu_()  # the conv's own new features: nothing else holds them

@@ -4,7 +4,7 @@ every rank, flexplan and spconv in the same run (scripts/ddp_train.py runs the r
 
 Usage (GPU machine with 2 GPUs): python3 scripts/bench_ddp.py [--network encoder]
        [--world-sizes 1,2] [--libraries flexplan,spconv] [--steps 30] [--warmup 10]
-       [--sync-bn-impl torch|flexplan|torch,flexplan]
+       [--sync-bn-impl torch|flexplan|torch,flexplan] [--timing step|window] [--no-ddp]
 --sync-bn-impl picks whose SyncBatchNorm the flexplan runs use (torch's nn.SyncBatchNorm, the
 default, or flexplan.nn.SyncBatchNorm, which never syncs with the host; both: a row each);
 spconv runs always use torch's, so the library comparison stays the one its users get.
@@ -50,8 +50,17 @@ def main() -> int:
     parser.add_argument("--sync-bn-impl", default="torch",
                         help="the flexplan runs' SyncBatchNorm: torch, flexplan, or both "
                              "(torch,flexplan); spconv runs always use torch's")
+    parser.add_argument("--timing", default="step", choices=("step", "window"),
+                        help="step: ranks aligned and GPUs drained around every timed step; "
+                             "window: once around all of them, as a training job runs "
+                             "(scripts/ddp_train.py, Job.timing)")
+    parser.add_argument("--no-ddp", action="store_true",
+                        help="each rank trains alone (no DDP, per-rank BatchNorm): what the "
+                             "processes cost each other, with no collective")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
+    if args.no_ddp:
+        args.no_sync_bn = True
     sizes = [int(w) for w in args.world_sizes.split(",")]
     impls = args.sync_bn_impl.split(",")
     if not impls or set(impls) - {"torch", "flexplan"}:
@@ -63,18 +72,19 @@ def main() -> int:
     meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
             "torch": torch.__version__, "triton": triton.__version__,
             "network": args.network, "dtype": args.dtype, "scans_per_rank": args.scans_per_rank,
-            "steps": args.steps, "warmup": args.warmup, "sync_bn": not args.no_sync_bn}
+            "steps": args.steps, "warmup": args.warmup, "sync_bn": not args.no_sync_bn,
+            "timing": args.timing, "ddp": not args.no_ddp}
     rows = []
     runs = [(library, impl) for library in args.libraries.split(",")
             for impl in (impls if library == "flexplan" and not args.no_sync_bn else ["torch"])]
     for library, impl in runs:
         # which BatchNorm ran, for the row: per-rank BatchNorm, or whose SyncBatchNorm
-        bn = "per-rank" if args.no_sync_bn else impl
+        bn = "no DDP" if args.no_ddp else "per-rank" if args.no_sync_bn else impl
         for world in sizes:
             job = ddp_train.Job(library=library, network=args.network, dtype=args.dtype,
                                 scans_per_rank=args.scans_per_rank, steps=args.steps,
                                 warmup=args.warmup, sync_bn=not args.no_sync_bn,
-                                sync_bn_impl=impl)
+                                sync_bn_impl=impl, timing=args.timing, ddp=not args.no_ddp)
             try:
                 results = ddp_train.run(world, job)
             except Exception as exc:  # noqa: BLE001 - a peer that fails is a row, not a stop
@@ -109,10 +119,13 @@ def summary(rows: list[dict], meta: dict) -> list[str]:
              f"{meta['network']}, {meta['dtype']}, {meta['scans_per_rank']} scans per rank per "
              f"step, fresh coordinates every step on every rank; "
              f"{'SyncBatchNorm' if meta['sync_bn'] else 'BatchNorm (per rank)'}, NCCL; "
-             f"{meta['warmup']} warm-up steps, then the median of {meta['steps']} (the slowest "
-             "rank's time per step). BatchNorm column: whose SyncBatchNorm ran (torch: "
-             "nn.SyncBatchNorm; flexplan: flexplan.nn.SyncBatchNorm, no host syncs), or "
-             "per-rank BatchNorm.", "",
+             f"{meta['warmup']} warm-up steps, then " + (
+                 f"the median of {meta['steps']} (the slowest rank's time per step, ranks aligned "
+                 "and GPUs drained around each)" if meta.get("timing", "step") == "step" else
+                 f"{meta['steps']} steps in one window (ranks aligned once before, GPUs drained "
+                 "once after; step ms: the slowest rank's window / steps)") + ". BatchNorm column: whose SyncBatchNorm ran (torch: "
+             "nn.SyncBatchNorm; flexplan: flexplan.nn.SyncBatchNorm, no host syncs), "
+             "per-rank BatchNorm, or no DDP (each rank trains alone).", "",
              "| library | BatchNorm | GPUs | step ms | scans/s | scaling vs 1 GPU "
              "| voxels per rank | compiles |",
              "|---|---|---|---|---|---|---|---|"]

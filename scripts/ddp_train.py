@@ -43,6 +43,14 @@ class Job:
     # every forward) or "flexplan" (flexplan.nn.SyncBatchNorm: no host syncs; CPU ranks too)
     sync_bn_impl: str = "torch"
     record_grads: bool = False  # write each parameter's gradient after one step (no timing)
+    # "step": every timed step starts with the ranks synchronized (GPU drained, barrier) and ends
+    # with its GPU work done; "window": one barrier before the timed steps and one GPU drain
+    # after them, as a training job runs (a rank's host may run ahead into its next step while
+    # the GPUs finish; the collectives alone align the ranks). Each step's time is then the
+    # window's mean.
+    timing: str = "step"
+    ddp: bool = True  # False: each rank trains its own model alone, no collective (host and
+    #                   machine contention between the ranks' processes, nothing else)
 
 
 def namespace(library: str):
@@ -114,10 +122,10 @@ def _rank_main(rank: int, world_size: int, job: Job, init_file: str, out_dir: st
 
 def _train(rank: int, world_size: int, job: Job, device: torch.device) -> dict:
     sp = namespace(job.library)
-    net = make_model(job, device, distributed=True)
+    net = make_model(job, device, distributed=job.ddp)
     loss_fn = type(net).loss
     model = nn.parallel.DistributedDataParallel(
-        net, device_ids=[device.index] if device.type == "cuda" else None)
+        net, device_ids=[device.index] if device.type == "cuda" else None) if job.ddp else net
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     if job.record_grads:
         batch = batches_for(job, rank, 1, device)[0]
@@ -130,7 +138,17 @@ def _train(rank: int, world_size: int, job: Job, device: torch.device) -> dict:
         train_step(model, loss_fn, opt, b, sp, job.scans_per_rank)
     compiles_before = _compiles()
     times = []
-    for b in batches[job.warmup:]:
+    if job.timing == "window":
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        for b in batches[job.warmup:]:
+            train_step(model, loss_fn, opt, b, sp, job.scans_per_rank)
+        torch.cuda.synchronize(device)
+        times = [(time.perf_counter() - start) / job.steps] * job.steps
+    elif job.timing != "step":
+        raise ValueError(f"timing {job.timing!r}: 'step' or 'window'")
+    for b in batches[job.warmup:] if job.timing == "step" else ():
         torch.cuda.synchronize(device)
         dist.barrier()
         start = time.perf_counter()

@@ -90,29 +90,34 @@ def test_fused_equals_unfused_low_precision(dtype, device, monkeypatch):
 
 def test_not_fused_where_it_could_show(device, monkeypatch):
     gen = torch.Generator().manual_seed(2)
-    net = network(gen).double().to(device)
+    net = network(gen).double().to(device).eval()
     x = inputs(gen, device)
-    calls = count_fused(monkeypatch)
-    net.train()
-    net(x())  # training: batch statistics
-    net.eval()
-    out = net(x())  # gradients wanted (parameters require grad, grad mode on)
-    out.features.sum().backward()
-    assert net[0].weight.grad is not None and net[1].weight.grad is not None
-    handle = net[1].register_forward_hook(lambda *a: None)
+    conv, bn, relu = eval_fusion.fusion_run(list(net), 0)
+    assert eval_fusion.fusion_run(list(net), 1) is None  # a BN does not start a run
+    probe = x()
     with torch.no_grad():
-        net(x())  # a hook on the first BN: its run unfused, the others fused
+        assert eval_fusion.fusable(conv, bn, relu, probe)
+    # gradients wanted: parameters that require grad, in grad mode
+    assert not eval_fusion.fusable(conv, bn, relu, probe)
+    bn.train()  # training: batch statistics
+    with torch.no_grad():
+        assert not eval_fusion.fusable(conv, bn, relu, probe)
+    bn.eval()
+    calls = count_fused(monkeypatch)
+    handle = relu.register_forward_hook(lambda *a: None)
+    with torch.no_grad():
+        out = net(x())  # a hook on the first ReLU: its run unfused, the others fused
     handle.remove()
-    assert len(calls) == 3
+    assert len(calls) == 3 and all(c[0] is not conv for c in calls)
     monkeypatch.setenv(eval_fusion.FUSE_ENV, "0")
     with torch.no_grad():
-        net(x())
+        torch.testing.assert_close(net(x()).features, out.features, rtol=1e-12, atol=1e-12)
     assert len(calls) == 3
 
 
 def test_folded_parameters_follow_changes(device, monkeypatch):
     gen = torch.Generator().manual_seed(3)
-    net = network(gen).double().to(device).eval()
+    net = spconv.SparseSequential(*list(network(gen))[:6]).double().to(device).eval()
     x = inputs(gen, device)
     with torch.no_grad():
         first = net(x()).features

@@ -30,15 +30,18 @@ def _assert_grads_close(got: dict, want: dict, rtol: float, atol: float):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU tensors run the kernels only through the interpreter")
-def test_gloo_ranks_sharing_a_cache_average_single_process_gradients(tmp_path):
+def test_gloo_ranks_sharing_a_cache_average_single_process_gradients(tmp_path, monkeypatch):
     """2 CPU ranks (plain BatchNorm: per-rank statistics), fresh coordinates per rank, one cache
     directory: DDP's gradient is the mean of the two single-process gradients. One scan per
-    rank: every kernel runs through the interpreter, four times (two ranks, two references).
-    The U-Net (strided, submanifold and inverse convs, BatchNorm): half the encoder's
-    interpreter time (its 21 convs; both networks' forward and backward are tested in
-    test_bench_e2e.py), and what DDP averages is the same for any network."""
+    rank. The ranks run without the interpreter (their CPU tensors take the ops' torch path,
+    ops/torch_fallback.py; the plans are the same on the CPU either way), the references here
+    through the interpreted kernels: two runs of the kernels instead of four, and the two
+    paths checked against each other on the way. The U-Net (strided, submanifold and inverse
+    convs, BatchNorm): what DDP averages is the same for any network (both networks' forward
+    and backward are tested in test_bench_e2e.py)."""
     job = ddp_train.Job(network="unet", small=True, device="cpu", dtype="fp32",
                         scans_per_rank=1, record_grads=True, cache_dir=str(tmp_path / "cache"))
+    monkeypatch.delenv("TRITON_INTERPRET")  # for the spawned ranks (read at their imports)
     # The references are computed here while the ranks (spawned processes) run.
     with ThreadPoolExecutor(1) as pool:
         ranks = pool.submit(ddp_train.run, 2, job)

@@ -20,6 +20,7 @@ the folded weight's own rounding in 16-bit models (tests/test_eval_fusion.py).
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 from torch.nn.modules import module as torch_module
@@ -34,6 +35,9 @@ FUSE_ENV = "FLEXPLAN_FUSE_BN"  # "0": never fuse
 BATCH_NORMS = frozenset({torch.nn.BatchNorm1d, torch.nn.SyncBatchNorm, SyncBatchNorm,
                          SparseBatchNorm, SparseSyncBatchNorm, FlexSparseSyncBatchNorm})
 RELUS = frozenset({torch.nn.ReLU, SparseReLU})
+# conv module -> (stamp, sources, weight, bias): outside the module, so that state_dict, pickling
+# and deepcopy never see it; gone with the module.
+_folded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def enabled() -> bool:
@@ -94,7 +98,7 @@ def folded(conv, bn, cast: torch.dtype | None = None) -> tuple[torch.Tensor, tor
     the conv until a source changes."""
     sources = _sources(conv, bn)
     stamp = _stamp(sources, bn.eps) + (cast,)
-    kept = conv.__dict__.get("_flexplan_folded")
+    kept = _folded.get(conv)
     if kept is not None and kept[0] == stamp:
         return kept[2], kept[3]
     with torch.no_grad():
@@ -111,8 +115,7 @@ def folded(conv, bn, cast: torch.dtype | None = None) -> tuple[torch.Tensor, tor
         out_dtype = w.dtype if cast is None else cast
         weight = (w.to(acc) * scale.view(-1, *(1,) * (w.dim() - 1))).to(out_dtype)
         bias = shift.to(out_dtype)
-    # A plain attribute (not a buffer: no state_dict entry), set past Module.__setattr__.
-    conv.__dict__["_flexplan_folded"] = (stamp, sources, weight, bias)
+    _folded[conv] = (stamp, sources, weight, bias)
     return weight, bias
 
 

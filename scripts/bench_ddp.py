@@ -5,6 +5,7 @@ every rank, flexplan and spconv in the same run (scripts/ddp_train.py runs the r
 Usage (GPU machine with 2 GPUs): python3 scripts/bench_ddp.py [--network encoder]
        [--world-sizes 1,2] [--libraries flexplan,spconv] [--steps 30] [--warmup 10]
        [--sync-bn-impl torch|flexplan|torch,flexplan] [--timing step|window] [--no-ddp]
+       [--pin-cpus]
 --sync-bn-impl picks whose SyncBatchNorm the flexplan runs use (torch's nn.SyncBatchNorm, the
 default, or flexplan.nn.SyncBatchNorm, which never syncs with the host; both: a row each);
 spconv runs always use torch's, so the library comparison stays the one its users get.
@@ -57,6 +58,8 @@ def main() -> int:
     parser.add_argument("--no-ddp", action="store_true",
                         help="each rank trains alone (no DDP, per-rank BatchNorm): what the "
                              "processes cost each other, with no collective")
+    parser.add_argument("--pin-cpus", action="store_true",
+                        help="each rank on its own share of the CPUs (Job.pin_cpus)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     if args.no_ddp:
@@ -73,7 +76,7 @@ def main() -> int:
             "torch": torch.__version__, "triton": triton.__version__,
             "network": args.network, "dtype": args.dtype, "scans_per_rank": args.scans_per_rank,
             "steps": args.steps, "warmup": args.warmup, "sync_bn": not args.no_sync_bn,
-            "timing": args.timing, "ddp": not args.no_ddp}
+            "timing": args.timing, "ddp": not args.no_ddp, "pin_cpus": args.pin_cpus}
     rows = []
     runs = [(library, impl) for library in args.libraries.split(",")
             for impl in (impls if library == "flexplan" and not args.no_sync_bn else ["torch"])]
@@ -84,7 +87,8 @@ def main() -> int:
             job = ddp_train.Job(library=library, network=args.network, dtype=args.dtype,
                                 scans_per_rank=args.scans_per_rank, steps=args.steps,
                                 warmup=args.warmup, sync_bn=not args.no_sync_bn,
-                                sync_bn_impl=impl, timing=args.timing, ddp=not args.no_ddp)
+                                sync_bn_impl=impl, timing=args.timing, ddp=not args.no_ddp,
+                                pin_cpus=args.pin_cpus)
             try:
                 results = ddp_train.run(world, job)
             except Exception as exc:  # noqa: BLE001 - a peer that fails is a row, not a stop

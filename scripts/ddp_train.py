@@ -51,6 +51,7 @@ class Job:
     timing: str = "step"
     ddp: bool = True  # False: each rank trains its own model alone, no collective (host and
     #                   machine contention between the ranks' processes, nothing else)
+    pin_cpus: bool = False  # each rank on its own share of this process's CPUs (in order)
 
 
 def namespace(library: str):
@@ -105,6 +106,10 @@ def train_step(model, loss_fn, opt, batch, sp, batch_size: int):
 
 def _rank_main(rank: int, world_size: int, job: Job, init_file: str, out_dir: str) -> None:
     os.environ["FLEXPLAN_CACHE_DIR"] = job.cache_dir
+    if job.pin_cpus:
+        cpus = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cpus) // world_size)
+        os.sched_setaffinity(0, cpus[rank * share:(rank + 1) * share] or cpus)
     use_cuda = job.device == "cuda"
     if use_cuda:
         torch.cuda.set_device(rank)

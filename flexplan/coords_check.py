@@ -44,8 +44,10 @@ def raise_coords_problems(coords: torch.Tensor, spatial_shape: tuple[int, int, i
 
 @opaque
 def check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batch_size: int,
-                 check_duplicates: bool = True) -> None:
-    """Validate coords against the grid; raise SparseTensorError with the first offending row."""
+                 check_duplicates: bool = True) -> bytes | None:
+    """Validate coords against the grid; raise SparseTensorError with the first offending row.
+    Returns the coordinates' identity where the check computed it (read in its sync), else
+    None."""
     check_coords_layout(coords)
     n = coords.shape[0]
     if n == 0:
@@ -61,10 +63,12 @@ def check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batc
             if need_identity:
                 digest_lanes(coords, out=flags[2:])
             values = flags.tolist()  # the one host sync
+        identity = known_identity(coords)
         if need_identity:
-            remember_identity(coords, digest_identity(lanes_to_digest(values[2:])))
+            identity = digest_identity(lanes_to_digest(values[2:]))
+            remember_identity(coords, identity)
         raise_coords_problems(coords, spatial_shape, batch_size, *problem_rows(values[:2], n))
-        return
+        return identity
     upper = torch.tensor([batch_size, *spatial_shape], dtype=torch.int32, device=coords.device)
     bad = ((coords < 0) | (coords >= upper)).any(dim=1)
     first_bad = torch.where(bad.any(), bad.to(torch.int8).argmax(), n)  # argmax: first True

@@ -129,6 +129,8 @@ _identities: dict[int, tuple[weakref.ref, int, bytes]] = {}
 def known_identity(coords: torch.Tensor) -> bytes | None:
     """coords' identity if it was computed for this tensor object, not modified since (its
     version counter); else None."""
+    if coords.is_inference():  # (no version counter: never remembered, below)
+        return None
     known = _identities.get(id(coords))
     if known is not None and known[0]() is coords and known[1] == coords._version:
         return known[2]
@@ -147,7 +149,11 @@ def coords_identity(coords: torch.Tensor) -> bytes:
 
 
 def remember_identity(coords: torch.Tensor, identity: bytes) -> None:
-    """Record coords' identity (computed elsewhere, e.g. with the coordinate check's readback)."""
+    """Record coords' identity (computed elsewhere, e.g. with the coordinate check's readback).
+    Not for inference tensors (made under torch.inference_mode): they keep no version counter,
+    so a change in place could not be told; they are hashed again when asked."""
+    if coords.is_inference():
+        return
     ident = id(coords)
     try:
         ref = weakref.ref(coords, lambda _, ident=ident: _identities.pop(ident, None))

@@ -58,8 +58,10 @@ class SparseTensor:
             batch_size = int(coords[:, 0].max()) + 1 if coords.numel() else 1
         if batch_size < 1:
             raise SparseTensorError(f"batch_size must be >= 1, got {batch_size}")
+        identity = None
         if check or merge_duplicates:
-            check_coords(coords, shape, batch_size, check_duplicates=check and not merge_duplicates)
+            identity = check_coords(coords, shape, batch_size,
+                                    check_duplicates=check and not merge_duplicates)
         if merge_duplicates:
             feats, coords = merge_duplicate_coords(feats, coords, shape, batch_size)
         self.feats = feats
@@ -67,8 +69,9 @@ class SparseTensor:
         self.spatial_shape = shape
         self.batch_size = int(batch_size)
         # Plans for these coords, by geometry; shared with tensors made by replace_feats so that
-        # every layer over the same coordinates reuses one plan.
-        self._plans = Plans()
+        # every layer over the same coordinates reuses one plan. (The check's identity, where
+        # it made one, names them: merged coordinates are new ones, hashed when asked.)
+        self._plans = Plans(None if merge_duplicates else identity)
 
     @property
     def grid_shape(self) -> tuple[int, int, int]:

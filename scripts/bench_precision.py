@@ -8,7 +8,7 @@ step by step, so a ratio compares steps taken milliseconds apart.
 
 Usage (GPU): python3 scripts/bench_precision.py [--steps 30] [--warmup 8]
              [--networks encoder,unet] [--phases train,infer] [--coords fresh,same]
-             [--variants flexplan-unfused,flexplan-async]
+             [--variants flexplan-fused,flexplan-async]
 Writes scripts/results/bench_precision.md.
 """
 from __future__ import annotations
@@ -26,17 +26,17 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 
 import bench_e2e as e2e  # noqa: E402
-from flexplan.nn.eval_fusion import FUSE_ENV  # noqa: E402
+from flexplan.nn import fuse_conv_bn  # noqa: E402
 from flexplan.plan_prefetch import PREFETCH_ENV  # noqa: E402
 
 RESULTS = SCRIPTS / "results" / "bench_precision.md"
 BASE_RUNS = (("flexplan", "fp16"), ("flexplan", "amp-fp16"), ("flexplan", "bf16"),
              ("flexplan", "fp32"), ("spconv", "fp16"), ("spconv", "amp-fp16"), ("spconv", "fp32"))
-# Variants: flexplan fp16 with an environment setting around each of its steps (read at each
-# step). flexplan-async: the step's plans built on a worker thread (flexplan/plan_prefetch.py;
-# measured slower, off by default: bench_precision.md's notes). flexplan-unfused: eval-mode
-# conv -> BatchNorm -> ReLU runs not fused (flexplan/nn/eval_fusion.py).
-VARIANTS = {"flexplan-async": (PREFETCH_ENV, "async"), "flexplan-unfused": (FUSE_ENV, "0")}
+# Variants: flexplan fp16 changed one way each. flexplan-async: FLEXPLAN_PLAN_PREFETCH=async
+# around each step (the step's plans built on a worker thread, flexplan/plan_prefetch.py;
+# measured slower, off by default: bench_precision.md's notes). flexplan-fused: for inference,
+# the model's eval-mode BatchNorms folded into their convs (flexplan.nn.fuse_conv_bn, opt-in).
+VARIANTS = {"flexplan-async": {"env": (PREFETCH_ENV, "async")}, "flexplan-fused": {"fuse": True}}
 # (label with the issue's bound, numerator run, denominator run): step-time ratios.
 BASE_RATIOS = (
     ("flexplan amp-fp16 / fp16 (<= 1.10)", ("flexplan", "amp-fp16"), ("flexplan", "fp16")),
@@ -48,8 +48,8 @@ BASE_RATIOS = (
 VARIANT_RATIOS = {
     "flexplan-async": ("flexplan async / sync prefetch, fp16", ("flexplan-async", "fp16"),
                        ("flexplan", "fp16")),
-    "flexplan-unfused": ("flexplan fp16 / flexplan unfused fp16", ("flexplan", "fp16"),
-                         ("flexplan-unfused", "fp16")),
+    "flexplan-fused": ("flexplan fused / flexplan fp16 (inference)", ("flexplan-fused", "fp16"),
+                       ("flexplan", "fp16")),
 }
 
 
@@ -75,7 +75,7 @@ def parse_args():
     p.add_argument("--networks", default="encoder,unet")
     p.add_argument("--phases", default="train,infer")
     p.add_argument("--coords", default="fresh,same")
-    p.add_argument("--variants", default="flexplan-unfused",
+    p.add_argument("--variants", default="flexplan-fused",
                    help="comma-separated flexplan fp16 variants to run too: " + ", ".join(VARIANTS))
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
@@ -112,9 +112,12 @@ def run_cell(ctx, source, net_cls, state, phase: str, coords: str, args, errors:
         sp = ctx.namespaces["flexplan" if impl in VARIANTS else impl]
         try:
             net = e2e.build_model(net_cls, sp, state, mode, ctx.sizes, ctx.device)
+            variant = VARIANTS.get(impl, {})
+            if variant.get("fuse") and phase == "infer":
+                fuse_conv_bn(net.eval())
             step = e2e.STEP_FNS[phase](net, sp, mode, ctx.device)
-            if impl in VARIANTS:
-                step = with_env(step, *VARIANTS[impl])
+            if "env" in variant:
+                step = with_env(step, *variant["env"])
             e2e.timed(step, batches[:args.warmup], ctx.device)
         except Exception as exc:
             errors.append(f"{impl} {mode_name} {phase} {coords}: {e2e.short_error(exc)}")

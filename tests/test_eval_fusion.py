@@ -1,13 +1,15 @@
-"""Inference fusion of conv -> BatchNorm (-> ReLU) runs in SparseSequential (nn/eval_fusion.py):
-the fused network gives the unfused one's outputs (float64: to rounding; 16-bit: to the
-dtype's tolerance), fuses only where nothing can tell, and follows changes to its parameters."""
+"""fuse_conv_bn (nn/eval_fusion.py): eval-mode BatchNorms folded into the convs before them give
+the unfused model's outputs (float64: to rounding; 16-bit: to the dtype's tolerance), only
+pairs that can be folded are, and the module tree keeps its indices."""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 import flexplan.nn.spconv as spconv
-from flexplan.nn import eval_fusion
+from flexplan.nn import FoldedBatchNorm, fuse_conv_bn
 from flexplan.workloads import random_coords
 
 SHAPE = (9, 8, 7)
@@ -15,6 +17,8 @@ SHAPE = (9, 8, 7)
 
 def randomize_bn(bn, gen):
     c = bn.num_features
+    if bn.running_mean is None:
+        return
     bn.running_mean.copy_(torch.randn(c, generator=gen, dtype=torch.float64))
     bn.running_var.copy_(torch.rand(c, generator=gen, dtype=torch.float64) + 0.5)
     if bn.affine:
@@ -47,119 +51,96 @@ def inputs(gen, device, dtype=torch.float64):
     return lambda: spconv.SparseConvTensor(feats.to(device), coords.to(device), SHAPE, 2)
 
 
-def unfused(net, x, monkeypatch):
-    with monkeypatch.context() as m:
-        m.setenv(eval_fusion.FUSE_ENV, "0")
-        return net(x())
+def fused_and_plain(net, x):
+    plain = copy.deepcopy(net)
+    with torch.no_grad():
+        want = plain(x())
+        got = net(x())
+    return got, want
 
 
-def count_fused(monkeypatch):
-    calls = []
-    real = eval_fusion.run_fused
-    monkeypatch.setattr(eval_fusion, "run_fused", lambda *a: calls.append(a) or real(*a))
-    return calls
-
-
-def test_fused_equals_unfused_float64(device, monkeypatch):
+def test_fused_equals_unfused_float64(device):
     gen = torch.Generator().manual_seed(0)
     net = network(gen).double().to(device).eval()
     x = inputs(gen, device)
-    calls = count_fused(monkeypatch)
+    keys = set(net.state_dict())
+    plain = copy.deepcopy(net)
+    assert fuse_conv_bn(net) == 4  # every conv -> BN pair of the network
+    assert [i for i, m in enumerate(net) if isinstance(m, FoldedBatchNorm)] == [1, 4, 7, 10]
+    assert net[0].bias is not None and {k for k in net.state_dict()} < keys | {"0.bias", "9.bias"}
     with torch.no_grad():
-        want = unfused(net, x, monkeypatch)
-        assert not calls
-        got = net(x())
-    assert len(calls) == 4  # every conv -> BN run of the network
+        want, got = plain(x()), net(x())
     assert torch.equal(got.indices, want.indices)
     torch.testing.assert_close(got.features, want.features, rtol=1e-12, atol=1e-12)
-    assert got.features.abs().sum() > 0 and (got.features < 0).any()  # the last run: no ReLU
+    assert (got.features < 0).any()  # the last pair: no ReLU
+    assert fuse_conv_bn(net) == 0  # nothing left to fold
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_fused_equals_unfused_low_precision(dtype, device, monkeypatch):
+def test_fused_equals_unfused_low_precision(dtype, device):
     gen = torch.Generator().manual_seed(1)
     net = network(gen).to(device).to(dtype).eval()
     x = inputs(gen, device, dtype)
+    plain = copy.deepcopy(net)
+    fuse_conv_bn(net)
     with torch.no_grad():
-        want = unfused(net, x, monkeypatch)
-        got = net(x())
+        want, got = plain(x()), net(x())
     tol = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
     torch.testing.assert_close(got.features.double(), want.features.double(), rtol=tol,
                                atol=tol)
 
 
-def test_not_fused_where_it_could_show(device, monkeypatch):
+def test_only_foldable_pairs_are_folded(device):
     gen = torch.Generator().manual_seed(2)
-    net = network(gen).double().to(device).eval()
-    x = inputs(gen, device)
-    conv, bn, relu = eval_fusion.fusion_run(list(net), 0)
-    assert eval_fusion.fusion_run(list(net), 1) is None  # a BN does not start a run
-    probe = x()
-    with torch.no_grad():
-        assert eval_fusion.fusable(conv, bn, relu, probe)
-    # gradients wanted: parameters that require grad, in grad mode
-    assert not eval_fusion.fusable(conv, bn, relu, probe)
-    bn.train()  # training: batch statistics
-    with torch.no_grad():
-        assert not eval_fusion.fusable(conv, bn, relu, probe)
-    bn.eval()
-    calls = count_fused(monkeypatch)
-    handle = relu.register_forward_hook(lambda *a: None)
-    with torch.no_grad():
-        out = net(x())  # a hook on the first ReLU: its run unfused, the others fused
-    handle.remove()
-    assert len(calls) == 3 and all(c[0] is not conv for c in calls)
-    monkeypatch.setenv(eval_fusion.FUSE_ENV, "0")
-    with torch.no_grad():
-        torch.testing.assert_close(net(x()).features, out.features, rtol=1e-12, atol=1e-12)
-    assert len(calls) == 3
+
+    class Shifted(spconv.SubMConv3d):  # a forward of its own: not only conv(x, weight, bias)
+        def forward(self, x):
+            out = super().forward(x)
+            return out.replace_feature(out.features + 1)
+
+    def pair(conv, bn=None):
+        bn = bn or torch.nn.BatchNorm1d(4)
+        randomize_bn(bn, gen)
+        return spconv.SparseSequential(conv, bn).double().eval()
+
+    subm = lambda: spconv.SubMConv3d(5, 4, 3, bias=False)  # noqa: E731
+    training = pair(subm())
+    training[1].train()
+    hooked = pair(subm())
+    hooked[1].register_forward_hook(lambda *a: None)
+    no_stats = pair(subm(), torch.nn.BatchNorm1d(4, track_running_stats=False))
+    other_size = pair(subm(), torch.nn.BatchNorm1d(1))
+    for net in (training, hooked, no_stats, other_size, pair(Shifted(5, 4, 3, bias=False))):
+        assert fuse_conv_bn(net) == 0 and not isinstance(net[1], FoldedBatchNorm)
+    nested = spconv.SparseSequential(pair(subm()), pair(subm(), torch.nn.BatchNorm1d(4)))
+    assert fuse_conv_bn(nested) == 2  # both inner pairs; the outer (sequential, sequential) not
 
 
-def test_folded_parameters_follow_changes(device, monkeypatch):
-    gen = torch.Generator().manual_seed(3)
-    net = spconv.SparseSequential(*list(network(gen))[:6]).double().to(device).eval()
-    x = inputs(gen, device)
-    with torch.no_grad():
-        first = net(x()).features
-        net[1].running_mean.add_(0.5)  # in place: a new version
-        net[0].weight.mul_(2)
-        net[4].running_var.fill_(2.0)
-        got = net(x())
-        want = unfused(net, x, monkeypatch)
-    assert not torch.allclose(got.features, first)
-    torch.testing.assert_close(got.features, want.features, rtol=1e-12, atol=1e-12)
-
-
-def test_2d_network_fuses(device, monkeypatch):
-    gen = torch.Generator().manual_seed(4)
-    net = spconv.SparseSequential(spconv.SubMConv2d(3, 4, 3, bias=False),
-                                  torch.nn.BatchNorm1d(4), torch.nn.ReLU())
-    randomize_bn(net[1], gen)
-    net = net.double().to(device).eval()
-    coords = random_coords(60, (9, 8, 1), 2, generator=gen)[:, :3]
-    feats = torch.randn(coords.shape[0], 3, generator=gen, dtype=torch.float64)
-    x = lambda: spconv.SparseConvTensor(feats.to(device), coords.to(device), (9, 8), 2)
-    calls = count_fused(monkeypatch)
-    with torch.no_grad():
-        got, want = net(x()), unfused(net, x, monkeypatch)
-    assert len(calls) == 1
-    torch.testing.assert_close(got.features, want.features, rtol=1e-12, atol=1e-12)
-
-
-def test_fused_under_autocast(device, monkeypatch):
-    """An fp32 model under autocast: the folded parameters are kept in the autocast dtype (no
-    cast per call) and the outputs match the unfused autocast run."""
+def test_autocast_and_2d(device):
+    """An fp32 model under autocast; a 2D network; a model made under inference_mode."""
     gen = torch.Generator().manual_seed(5)
     net = network(gen).float().to(device).eval()
     x = inputs(gen, device, torch.float32)
+    plain = copy.deepcopy(net)
+    fuse_conv_bn(net)
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    calls = count_fused(monkeypatch)
     with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
-        want = unfused(net, x, monkeypatch)
-        got = net(x())
-    assert len(calls) == 4 and got.features.dtype == want.features.dtype == dtype
-    assert eval_fusion.folded(net[0], net[1], dtype)[0].dtype == dtype
-    assert "_flexplan_folded" not in net[0].__dict__ and not any(
-        "folded" in k for k in net.state_dict())
+        want, got = plain(x()), net(x())
+    assert got.features.dtype == want.features.dtype == dtype
     tol = 2e-2 if dtype == torch.float16 else 1e-1
     torch.testing.assert_close(got.features.double(), want.features.double(), rtol=tol, atol=tol)
+
+    with torch.inference_mode():
+        net2d = spconv.SparseSequential(spconv.SubMConv2d(3, 4, 3, bias=False),
+                                        torch.nn.BatchNorm1d(4), torch.nn.ReLU())
+        randomize_bn(net2d[1], gen)
+        net2d = net2d.double().to(device).eval()
+    coords = random_coords(60, (9, 8, 1), 2, generator=gen)[:, :3]
+    feats = torch.randn(coords.shape[0], 3, generator=gen, dtype=torch.float64)
+    x2 = lambda: spconv.SparseConvTensor(feats.to(device), coords.to(device), (9, 8), 2)  # noqa: E731
+    with torch.inference_mode():
+        want = net2d(x2()).features.clone()
+    assert fuse_conv_bn(net2d) == 1
+    with torch.inference_mode():
+        got = net2d(x2()).features
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

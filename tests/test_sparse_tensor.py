@@ -116,3 +116,34 @@ def test_replace_feats_checks_rows(device):
     with pytest.raises(SparseTensorError, match=r"\[4, C\]"):
         st.replace_feats(_feats(3, device=device))
     assert st.replace_feats(_feats(4, 5, device=device)).num_channels == 5
+
+
+def test_tensors_made_under_inference_mode(device):
+    """An inference server's tensors (made under torch.inference_mode: no version counter) run
+    like any others, 3D and 2D; their coordinates are never remembered by object (a change in
+    place could not be told), so the same coordinates made again name the same plans."""
+    import flexplan.nn.spconv as spconv
+    from flexplan.coords_hash import known_identity
+    from flexplan.workloads import random_coords
+
+    gen = torch.Generator().manual_seed(11)
+    coords = random_coords(80, (6, 5, 4), 2, generator=gen).to(device)
+    feats = torch.randn(coords.shape[0], 3, generator=gen).to(device)
+    pillars = random_coords(40, (6, 5, 1), 2, generator=gen)[:, :3].contiguous().to(device)
+    pfeats = torch.randn(pillars.shape[0], 3, generator=gen).to(device)
+    subm = spconv.SubMConv3d(3, 4, 3, indice_key="a").to(device)
+    down = spconv.SparseConv3d(4, 2, 3, stride=2, padding=1).to(device)
+    subm2d = spconv.SubMConv2d(3, 2, 3).to(device)
+    with torch.no_grad():
+        want = down(subm(spconv.SparseConvTensor(feats, coords, (6, 5, 4), 2))).features
+        want2d = subm2d(spconv.SparseConvTensor(pfeats, pillars, (6, 5), 2))
+    with torch.inference_mode():
+        inf_coords = coords.clone()
+        x = spconv.SparseConvTensor(feats.clone(), inf_coords, (6, 5, 4), 2)
+        got = down(subm(x)).features
+        got2d = subm2d(spconv.SparseConvTensor(pfeats.clone(), pillars.clone(), (6, 5), 2))
+    assert inf_coords.is_inference() and known_identity(inf_coords) is None
+    assert x.coords_identity() == spconv.SparseConvTensor(feats, coords, (6, 5, 4),
+                                                          2).coords_identity()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got2d.features, want2d.features)

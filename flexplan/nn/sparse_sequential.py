@@ -6,7 +6,6 @@ from collections import OrderedDict
 import torch
 
 from ..sparse_tensor import SparseTensor
-from . import eval_fusion
 from .spconv_layers import SparseModule
 from .submconv import SubMConv3d
 
@@ -32,19 +31,7 @@ class SparseSequential(torch.nn.Sequential, SparseModule):
         self.name = None
 
     def forward(self, x):
-        modules = list(self._modules.values())
-        fuse = eval_fusion.enabled()
-        i = 0
-        while i < len(modules):
-            module = modules[i]
-            i += 1
-            if fuse and isinstance(x, SparseTensor):
-                # In eval, conv -> BatchNorm (-> ReLU) as one conv (nn/eval_fusion.py)
-                run = eval_fusion.fusion_run(modules, i - 1)
-                if run is not None and eval_fusion.fusable(*run, x):
-                    x = eval_fusion.run_fused(*run, x)
-                    i += 1 if run[2] is None else 2
-                    continue
+        for module in self:
             if is_sparse_module(module) or not isinstance(x, SparseTensor):
                 x = module(x)
             elif x.num_voxels:

@@ -164,12 +164,6 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
         return op_weight(self.weight, self.geometry)
 
     def forward(self, x: SparseConvTensor) -> SparseConvTensor:
-        return self.conv_with(x, self.conv_weight(), self.bias)
-
-    def conv_with(self, x: SparseConvTensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> SparseConvTensor:
-        """The forward with this weight (conv_weight()'s layout) and bias in place of the
-        layer's own (nn.eval_fusion: BatchNorm folded in)."""
         _check_input(self, x)
         check_ndim(self, x)
         # (below, the tensor's 3D coords and grid: a 2D tensor's have a unit third axis)
@@ -178,7 +172,8 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
             plan, plans, indice_dict = data.inverse_plan, data.in_plans, x.indice_dict
         else:
             plan, plans, indice_dict = self._plan_and_record(x)
-        feats = sparse_conv(x.features, plan, weight, bias, self.algo, self.allow_tf32)
+        feats = sparse_conv(x.features, plan, self.conv_weight(), self.bias, self.algo,
+                            self.allow_tf32)
         return x._derived(feats, plan.out_coords, plan.out_spatial_shape, indice_dict, plans)
 
     def _plan_and_record(self, x: SparseConvTensor):
@@ -302,11 +297,10 @@ class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
     def conv_weight(self) -> torch.Tensor:
         return op_weight(self.weight, self.geometry)
 
-    def conv_with(self, x: SparseConvTensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> SparseConvTensor:
+    def forward(self, x: SparseConvTensor) -> SparseConvTensor:
         _check_input(self, x)
         check_ndim(self, x)
-        out = super().conv_with(x, weight, bias)
+        out = super().forward(x)
         if self.geometry.volume == 1:  # no neighbours, no plan: the key names nothing (spconv's
             return out                  # 1x1 path ignores it too, and may share a 3x3x3 conv's)
         out.indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(

@@ -46,12 +46,6 @@ class SubMConv3d(torch.nn.Module):
         return self.weight
 
     def forward(self, x: SparseTensor) -> SparseTensor:
-        return self.conv_with(x, self.conv_weight(), self.bias)
-
-    def conv_with(self, x: SparseTensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> SparseTensor:
-        """The forward with this weight ([Co, Kx, Ky, Kz, Ci], conv_weight()'s layout) and
-        bias in place of the layer's own (nn.eval_fusion: BatchNorm folded in)."""
         if not isinstance(x, SparseTensor):
             raise TypeError(f"SubMConv3d expects a SparseTensor, got {type(x).__name__}")
         if self.geometry.volume == 1:
@@ -60,11 +54,12 @@ class SubMConv3d(torch.nn.Module):
             if x.num_channels != self.in_channels:
                 raise ValueError(f"SubMConv3d expects {self.in_channels} input channels, got "
                                  f"features of shape {tuple(x.feats.shape)}")
-            weight = weight.reshape(self.out_channels, self.in_channels)
-            return x.replace_feats(torch.nn.functional.linear(x.feats, weight, bias))
+            weight = self.conv_weight().reshape(self.out_channels, self.in_channels)
+            return x.replace_feats(torch.nn.functional.linear(x.feats, weight, self.bias))
         # Under no_grad / inference_mode nothing will be differentiated: an inference plan.
         plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled())
-        feats = sparse_conv(x.feats, plan, weight, bias, self.algo, self.allow_tf32)
+        feats = sparse_conv(x.feats, plan, self.conv_weight(), self.bias, self.algo,
+                            self.allow_tf32)
         return x.replace_feats(feats)
 
     def extra_repr(self) -> str:

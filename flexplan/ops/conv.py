@@ -367,7 +367,7 @@ def _check(feats, plan, weight, bias, algo, cast: torch.dtype | None = None):
                             f"({feats.dtype}, {feats.device})")
 
 
-def autocast_dtype(feats) -> torch.dtype | None:
+def _autocast_dtype(feats) -> torch.dtype | None:
     """The dtype torch.autocast asks of convolutions on feats' device, or None (not enabled,
     or not a floating dtype this op runs in: float64 inputs stay float64, as under torch's
     own autocast, which leaves float64 alone)."""
@@ -402,7 +402,7 @@ def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
     """
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cudnn.allow_tf32
-    cast = autocast_dtype(feats)
+    cast = _autocast_dtype(feats)
     if cast is not None:
         feats = feats.to(cast)
     _check(feats, plan, weight, bias, algo, cast)

@@ -114,6 +114,9 @@ def test_only_foldable_pairs_are_folded(device):
         assert fuse_conv_bn(net) == 0 and not isinstance(net[1], FoldedBatchNorm)
     nested = spconv.SparseSequential(pair(subm()), pair(subm(), torch.nn.BatchNorm1d(4)))
     assert fuse_conv_bn(nested) == 2  # both inner pairs; the outer (sequential, sequential) not
+    shared = subm()  # one conv in two places, each before its own BatchNorm: folded at neither
+    twice = spconv.SparseSequential(pair(shared), pair(shared))
+    assert fuse_conv_bn(twice) == 0
 
 
 def test_autocast_and_2d(device):

@@ -96,11 +96,17 @@ def fuse_conv_bn(model: torch.nn.Module) -> int:
     own included) in place; returns how many. Call it on a model in eval mode (model.eval()):
     BatchNorms in training mode are left as they are."""
     folded = 0
+    # A conv (or weight) met twice, shared by two places of the model, is folded at neither:
+    # one fold would scale the other place's output too.
+    uses: dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, (SubMConv3d, SparseConvolution)):
+            uses[id(m.weight)] = uses.get(id(m.weight), 0) + 1
     for seq in [m for m in model.modules() if isinstance(m, SparseSequential)]:
         names = list(seq._modules)
         for first, second in zip(names, names[1:]):
             conv, bn = seq._modules[first], seq._modules[second]
-            if foldable(conv, bn):
+            if foldable(conv, bn) and uses.get(id(conv.weight)) == 1:
                 fold_into(conv, bn)
                 seq._modules[second] = FoldedBatchNorm(bn.num_features)
                 folded += 1

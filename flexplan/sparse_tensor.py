@@ -69,9 +69,13 @@ class SparseTensor:
         self.spatial_shape = shape
         self.batch_size = int(batch_size)
         # Plans for these coords, by geometry; shared with tensors made by replace_feats so that
-        # every layer over the same coordinates reuses one plan. (The check's identity, where
-        # it made one, names them: merged coordinates are new ones, hashed when asked.)
-        self._plans = Plans(None if merge_duplicates else identity)
+        # every layer over the same coordinates reuses one plan. Their identity: remembered
+        # by coords_hash per tensor object and version, and checked against a change in place
+        # when asked; inference tensors (torch.inference_mode) have no version, so the
+        # check's identity is kept here (coordinates an inference server must not change in
+        # place after making the tensor; merged coordinates are new ones, hashed when asked).
+        self._plans = Plans(identity if identity is not None and coords.is_inference()
+                            and not merge_duplicates else None)
 
     @property
     def grid_shape(self) -> tuple[int, int, int]:

@@ -110,7 +110,27 @@ def test_only_foldable_pairs_are_folded(device):
     hooked[1].register_forward_hook(lambda *a: None)
     no_stats = pair(subm(), torch.nn.BatchNorm1d(4, track_running_stats=False))
     other_size = pair(subm(), torch.nn.BatchNorm1d(1))
-    for net in (training, hooked, no_stats, other_size, pair(Shifted(5, 4, 3, bias=False))):
+    class Standardized(spconv.SubMConv3d):  # a conv_weight of its own: not the stored weight
+        def conv_weight(self):
+            w = super().conv_weight()
+            return w / w.norm()
+
+    class Residual(spconv.SparseSequential):  # a forward of its own over its modules
+        def forward(self, x):
+            return self[1](x.replace_feature(self[0](x).features + 1))
+
+    parametrized = pair(subm())
+    torch.nn.utils.parametrize.register_parametrization(parametrized[0], "weight",
+                                                        torch.nn.Identity())
+    tied = pair(subm())
+    holder = torch.nn.Linear(1, 1)
+    holder.weight = tied[0].weight  # the same parameter held by another module of the model
+    tied.add_module("holder", holder)
+    residual = Residual(spconv.SubMConv3d(5, 5, 3, bias=False), torch.nn.BatchNorm1d(5))
+    randomize_bn(residual[1], gen)
+    for net in (training, hooked, no_stats, other_size, pair(Shifted(5, 4, 3, bias=False)),
+                pair(Standardized(5, 4, 3, bias=False)), parametrized, tied,
+                residual.double().eval()):
         assert fuse_conv_bn(net) == 0 and not isinstance(net[1], FoldedBatchNorm)
     nested = spconv.SparseSequential(pair(subm()), pair(subm(), torch.nn.BatchNorm1d(4)))
     assert fuse_conv_bn(nested) == 2  # both inner pairs; the outer (sequential, sequential) not

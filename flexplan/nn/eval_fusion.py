@@ -24,6 +24,7 @@ import torch
 from .sparse_sequential import SparseSequential
 from .spconv_layers import SparseConvolution, SparseModule
 from .spconv_layers import SubMConv3d as SpconvSubMConv3d
+from .spconv_layers4d import SparseConvolution4d
 from .spconv_modules import FlexSparseSyncBatchNorm, SparseBatchNorm, SparseSyncBatchNorm
 from .submconv import SubMConv3d
 from .sync_batchnorm import SyncBatchNorm
@@ -31,9 +32,12 @@ from .sync_batchnorm import SyncBatchNorm
 # Exact types: a subclass may compute something else in forward.
 BATCH_NORMS = frozenset({torch.nn.BatchNorm1d, torch.nn.SyncBatchNorm, SyncBatchNorm,
                          SparseBatchNorm, SparseSyncBatchNorm, FlexSparseSyncBatchNorm})
-# The forwards whose output is conv(x, weight, bias) and nothing else.
+# The forwards whose output is conv(x, conv_weight(), bias) and nothing else, and the
+# conv_weight()s that are views of the weight parameter as stored.
 _CONV_FORWARDS = frozenset({SubMConv3d.forward, SpconvSubMConv3d.forward,
                             SparseConvolution.forward})
+_CONV_WEIGHTS = frozenset({SubMConv3d.conv_weight, SpconvSubMConv3d.conv_weight,
+                           SparseConvolution.conv_weight, SparseConvolution4d.conv_weight})
 
 
 class FoldedBatchNorm(SparseModule):
@@ -59,6 +63,10 @@ def foldable(conv, bn) -> bool:
     """Would folding bn into conv leave the pair's output unchanged (but for rounding)?"""
     return (isinstance(conv, (SubMConv3d, SparseConvolution))
             and type(conv).forward in _CONV_FORWARDS and "forward" not in conv.__dict__
+            and type(conv).conv_weight in _CONV_WEIGHTS and "conv_weight" not in conv.__dict__
+            # plain parameters (torch.nn.utils.parametrize computes weight from others)
+            and conv._parameters.get("weight") is conv.weight
+            and (conv.bias is None or conv._parameters.get("bias") is conv.bias)
             and type(bn) in BATCH_NORMS and "forward" not in bn.__dict__
             and not bn.training and bn.running_mean is not None and bn.running_var is not None
             and bn.num_features == conv.out_channels and conv.weight.shape[0] == bn.num_features
@@ -68,8 +76,9 @@ def foldable(conv, bn) -> bool:
 def fold_into(conv, bn) -> None:
     """conv's weight and bias (made if it had none) take bn's eval-mode map; in fp32 (fp64 for
     fp64 weights), stored in the weight's dtype."""
-    # (parameters made under torch.inference_mode change only inside it)
-    with torch.inference_mode() if conv.weight.is_inference() else torch.no_grad():
+    # Parameters made under torch.inference_mode change only inside it; others outside it
+    # (a bias made here is then of the weight's kind, whatever mode the caller is in).
+    with torch.inference_mode(conv.weight.is_inference()), torch.no_grad():
         _fold(conv, bn)
 
 
@@ -96,17 +105,25 @@ def fuse_conv_bn(model: torch.nn.Module) -> int:
     own included) in place; returns how many. Call it on a model in eval mode (model.eval()):
     BatchNorms in training mode are left as they are."""
     folded = 0
-    # A conv (or weight) met twice, shared by two places of the model, is folded at neither:
-    # one fold would scale the other place's output too.
+    # A conv's weight or bias whose storage is met twice in the model (a conv in two places, a
+    # parameter tied to another module's, two parameters over one storage) is folded nowhere:
+    # the fold would change the other user's values too.
     uses: dict[int, int] = {}
-    for _, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, (SubMConv3d, SparseConvolution)):
-            uses[id(m.weight)] = uses.get(id(m.weight), 0) + 1
-    for seq in [m for m in model.modules() if isinstance(m, SparseSequential)]:
+    for _, p in model.named_parameters(remove_duplicate=False):
+        key = p.untyped_storage().data_ptr()
+        uses[key] = uses.get(key, 0) + 1
+
+    def alone(t) -> bool:
+        return t is None or uses.get(t.untyped_storage().data_ptr()) == 1
+
+    # Only SparseSequential's own forward runs its modules one after another.
+    sequences = [m for m in model.modules() if isinstance(m, SparseSequential)
+                 and type(m).forward is SparseSequential.forward and "forward" not in m.__dict__]
+    for seq in sequences:
         names = list(seq._modules)
         for first, second in zip(names, names[1:]):
             conv, bn = seq._modules[first], seq._modules[second]
-            if foldable(conv, bn) and uses.get(id(conv.weight)) == 1:
+            if foldable(conv, bn) and alone(conv.weight) and alone(conv.bias):
                 fold_into(conv, bn)
                 seq._modules[second] = FoldedBatchNorm(bn.num_features)
                 folded += 1

@@ -128,6 +128,11 @@ def test_only_foldable_pairs_are_folded(device):
     tied.add_module("holder", holder)
     residual = Residual(spconv.SubMConv3d(5, 5, 3, bias=False), torch.nn.BatchNorm1d(5))
     randomize_bn(residual[1], gen)
+    overflow = pair(subm()).half()  # fp16: weight / sqrt(1e-9) does not fit
+    overflow[1].running_var.fill_(0)
+    overflow[1].eps = 1e-12
+    before = overflow[0].weight.clone()
+    assert fuse_conv_bn(overflow) == 0 and torch.equal(overflow[0].weight, before)
     for net in (training, hooked, no_stats, other_size, pair(Shifted(5, 4, 3, bias=False)),
                 pair(Standardized(5, 4, 3, bias=False)), parametrized, tied,
                 residual.double().eval()):

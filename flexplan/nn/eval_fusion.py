@@ -73,16 +73,17 @@ def foldable(conv, bn) -> bool:
             and not _hooked(conv) and not _hooked(bn))
 
 
-def fold_into(conv, bn) -> None:
-    """conv's weight and bias (made if it had none) take bn's eval-mode map; in fp32 (fp64 for
-    fp64 weights), stored in the weight's dtype."""
+def fold_into(conv, bn) -> bool:
+    """conv's weight and bias (made if it had none) take bn's eval-mode map; computed in fp32
+    (fp64 for fp64 weights), stored in the weight's dtype. False, and nothing changed, where a
+    folded value does not fit that dtype (a 16-bit weight times a huge 1 / sqrt(var + eps))."""
     # Parameters made under torch.inference_mode change only inside it; others outside it
     # (a bias made here is then of the weight's kind, whatever mode the caller is in).
     with torch.inference_mode(conv.weight.is_inference()), torch.no_grad():
-        _fold(conv, bn)
+        return _fold(conv, bn)
 
 
-def _fold(conv, bn) -> None:
+def _fold(conv, bn) -> bool:
     w = conv.weight
     acc = torch.promote_types(w.dtype, torch.float32)
     scale = torch.rsqrt(bn.running_var.to(acc) + bn.eps)
@@ -93,11 +94,16 @@ def _fold(conv, bn) -> None:
         shift = shift + bn.bias.to(acc)
     if conv.bias is not None:
         shift = shift + conv.bias.to(acc) * scale
-    w.copy_(w.to(acc) * scale.view(-1, *(1,) * (w.dim() - 1)))
+    weight = (w.to(acc) * scale.view(-1, *(1,) * (w.dim() - 1))).to(w.dtype)
+    bias = shift.to(w.dtype if conv.bias is None else conv.bias.dtype)
+    if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):  # (one-off syncs)
+        return False
+    w.copy_(weight)
     if conv.bias is None:
-        conv.bias = torch.nn.Parameter(shift.to(w.dtype), requires_grad=w.requires_grad)
+        conv.bias = torch.nn.Parameter(bias, requires_grad=w.requires_grad)
     else:
-        conv.bias.copy_(shift)
+        conv.bias.copy_(bias)
+    return True
 
 
 def fuse_conv_bn(model: torch.nn.Module) -> int:
@@ -123,8 +129,8 @@ def fuse_conv_bn(model: torch.nn.Module) -> int:
         names = list(seq._modules)
         for first, second in zip(names, names[1:]):
             conv, bn = seq._modules[first], seq._modules[second]
-            if foldable(conv, bn) and alone(conv.weight) and alone(conv.bias):
-                fold_into(conv, bn)
+            if foldable(conv, bn) and alone(conv.weight) and alone(conv.bias) \
+                    and fold_into(conv, bn):
                 seq._modules[second] = FoldedBatchNorm(bn.num_features)
                 folded += 1
     return folded

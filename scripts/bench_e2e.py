@@ -126,10 +126,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+COMMIT_ENV = "FLEXPLAN_BENCH_COMMIT"  # the commit to record, where the tree's git is not it
+
+
 def git_commit() -> str:
+    """The code's commit for a results file: FLEXPLAN_BENCH_COMMIT if set (a copied tree whose
+    .git is another commit's: the GPU machine's copy), else HEAD, with "+changes" where the
+    tracked files differ from it."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=SCRIPTS, text=True,
-                              capture_output=True, timeout=10).stdout.strip() or "?"
+        def git(*args):
+            return subprocess.run(["git", *args], cwd=SCRIPTS, text=True, capture_output=True,
+                                  timeout=10).stdout.strip()
+        head = git("rev-parse", "--short", "HEAD") or "?"
+        return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     except Exception:  # no git, or not a checkout (a copied tree)
         return "?"
 

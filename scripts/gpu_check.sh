@@ -4,6 +4,9 @@
 # Usage: bash scripts/gpu_check.sh [tests] [planner] [submconv] [cache] [aot] [table] [tuning] [unet]
 #        [e2e] [layers] [ddp] [precision]
 #        (no argument: everything). Results land in scripts/results/ and, if set, in $OUT.
+# The results name the code's commit: on a copied tree whose .git is another commit's, set
+# FLEXPLAN_BENCH_COMMIT (e.g. FLEXPLAN_BENCH_COMMIT=$(git rev-parse --short HEAD) where the
+# command is written).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1

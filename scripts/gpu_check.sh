@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one go, on the GPU machine (system python with torch + Triton,
 # no network). Carry .whl (platformdirs) and .peers (spconv, from ../shared/tools/peers-for-gpu.sh).
-# Usage: bash scripts/gpu_check.sh [tests] [planner] [submconv] [cache] [aot] [table] [tuning] [unet]
+# Usage: bash scripts/gpu_check.sh [tests] [cuda] [planner] [submconv] [cache] [aot] [table] [tuning] [unet]
 #        [e2e] [layers] [ddp] [precision]
 #        (no argument: everything). Results land in scripts/results/ and, if set, in $OUT.
 # The results name the code's commit: on a copied tree whose .git is another commit's, set
@@ -23,6 +23,10 @@ for step in "${steps[@]}"; do
   echo "=== $step"
   case $step in
     tests)    python3 -m pytest -q -m gpu tests ;;
+    # CPU-suite tests whose device fixture takes the GPU here: the ops, pools, tensors and
+    # BatchNorm folding on CUDA tensors (the suite runs them on the CPU)
+    cuda)     python3 -m pytest -q tests/test_conv.py tests/test_autocast.py \
+                tests/test_sparse_pool.py tests/test_sparse_tensor.py tests/test_eval_fusion.py ;;
     planner)  python3 scripts/bench_planner.py ;;
     submconv) python3 scripts/bench_submconv.py ;;
     cache)    python3 scripts/bench_cache.py --train-demo ;;

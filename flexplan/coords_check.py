@@ -57,13 +57,13 @@ def check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batc
         # cache's name for them) is hashed alongside and read in the same host sync.
         from .planner.hashmap import coords_problem_flags, problem_rows
 
-        need_identity = known_identity(coords) is None
+        identity = known_identity(coords)
+        need_identity = identity is None
         with on_device_of(coords):
             flags = coords_problem_flags(coords, spatial_shape, batch_size, spare_slots=2)
             if need_identity:
                 digest_lanes(coords, out=flags[2:])
             values = flags.tolist()  # the one host sync
-        identity = known_identity(coords)
         if need_identity:
             identity = digest_identity(lanes_to_digest(values[2:]))
             remember_identity(coords, identity)

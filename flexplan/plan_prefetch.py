@@ -19,8 +19,9 @@ a failed prefetch is dropped with a warning and not tried again for that kind of
 layers' own requests then build, or raise if the failure was real).
 
 FLEXPLAN_PLAN_PREFETCH=0 turns it off (every plan built at its layer, as before).
-FLEXPLAN_PLAN_PREFETCH=async (experimental, not yet measured on a GPU) builds the sequence on a
-worker thread instead, while the step's forward runs: a layer waits only for its own plan. The
+FLEXPLAN_PLAN_PREFETCH=async (experimental; measured 13-29% slower than the default on the
+host-bound e2e steps, scripts/results/bench_precision.md) builds the sequence on a worker
+thread instead, while the step's forward runs: a layer waits only for its own plan. The
 builds' host work then overlaps the forward's (torch releases the GIL inside op dispatch, Triton
 around its launch) and their syncs block the worker alone. The worker launches on the same
 CUDA stream as the layers (the current stream of the step's thread when the step began), so a

@@ -27,15 +27,11 @@ def sorted_map_t(gmap: GatherMap) -> torch.Tensor:
     kernels read (one offset's neighbours of a block of sorted rows are contiguous).
     Derived on first use (one launch: sorted_map_t_triton) and kept with the map object."""
     view = gmap.derived_views.get("sorted_map_t")
-    if view is None:
-        nmap, idx = gmap.neighbor_map, gmap.sorted_idx
-        if kernels_run_on(nmap):
-            view = sorted_map_t_triton(nmap, idx)
-        else:
-            view = sorted_map_t_torch(nmap, idx)
-        if not capturing(nmap.device):  # (graph_capture: never kept from a capture)
-            gmap.derived_views["sorted_map_t"] = view
-    return view
+    if view is not None:
+        return view
+    nmap, idx = gmap.neighbor_map, gmap.sorted_idx
+    return _keep(gmap, "sorted_map_t", (
+        sorted_map_t_triton if kernels_run_on(nmap) else sorted_map_t_torch)(nmap, idx))
 
 
 def chunk_order(gmap: GatherMap) -> torch.Tensor:
@@ -52,17 +48,14 @@ def chunk_order(gmap: GatherMap) -> torch.Tensor:
     CHUNK_ORDER_MIN_ROWS rows keep the Gray order's own chunk sequence (gray_chunk_order: no
     launch)."""
     view = gmap.derived_views.get("chunk_order")
-    if view is None:
-        idx = gmap.sorted_idx
-        if idx.shape[0] < CHUNK_ORDER_MIN_ROWS:  # small maps: the Gray order's own chunk order
-            view = gray_chunk_order(idx.shape[0], idx.device)
-        elif kernels_run_on(idx):
-            view = chunk_order_triton(idx)
-        else:
-            view = chunk_order_torch(idx)
-        if not capturing(idx.device):
-            gmap.derived_views["chunk_order"] = view
-    return view
+    if view is not None:
+        return view
+    idx = gmap.sorted_idx
+    if idx.shape[0] < CHUNK_ORDER_MIN_ROWS:  # small maps: the Gray order's own chunk order
+        view = gray_chunk_order(idx.shape[0], idx.device)
+    else:
+        view = (chunk_order_triton if kernels_run_on(idx) else chunk_order_torch)(idx)
+    return _keep(gmap, "chunk_order", view)
 
 
 def transposed_map(gmap: GatherMap, num_in: int) -> torch.Tensor:
@@ -72,14 +65,18 @@ def transposed_map(gmap: GatherMap, num_in: int) -> torch.Tensor:
     the pool's backward kernel walks rows in order. Derived on first use (one launch) and kept
     with the map object, like sorted_map_t."""
     view = gmap.derived_views.get("transposed_map")
-    if view is None:
-        nmap = gmap.neighbor_map
-        if kernels_run_on(nmap):
-            view = transposed_map_triton(nmap, num_in)
-        else:
-            view = transposed_map_torch(nmap, num_in)
-        if not capturing(nmap.device):
-            gmap.derived_views["transposed_map"] = view
+    if view is not None:
+        return view
+    nmap = gmap.neighbor_map
+    return _keep(gmap, "transposed_map", (
+        transposed_map_triton if kernels_run_on(nmap) else transposed_map_torch)(nmap, num_in))
+
+
+def _keep(gmap: GatherMap, name: str, view: torch.Tensor) -> torch.Tensor:
+    """view, kept with the map object as its derived view `name`, unless it was made during a
+    CUDA graph capture (graph_capture: never kept from a capture)."""
+    if not capturing(gmap.neighbor_map.device):
+        gmap.derived_views[name] = view
     return view
 
 

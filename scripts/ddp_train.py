@@ -151,15 +151,16 @@ def _train(rank: int, world_size: int, job: Job, device: torch.device) -> dict:
             train_step(model, loss_fn, opt, b, sp, job.scans_per_rank)
         torch.cuda.synchronize(device)
         times = [(time.perf_counter() - start) / job.steps] * job.steps
-    elif job.timing != "step":
+    elif job.timing == "step":
+        for b in batches[job.warmup:]:
+            torch.cuda.synchronize(device)
+            dist.barrier()
+            start = time.perf_counter()
+            train_step(model, loss_fn, opt, b, sp, job.scans_per_rank)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+    else:
         raise ValueError(f"timing {job.timing!r}: 'step' or 'window'")
-    for b in batches[job.warmup:] if job.timing == "step" else ():
-        torch.cuda.synchronize(device)
-        dist.barrier()
-        start = time.perf_counter()
-        train_step(model, loss_fn, opt, b, sp, job.scans_per_rank)
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
     voxels = sum(b.indices.shape[0] for b in batches[job.warmup:]) / job.steps
     return {"times": times, "voxels": voxels, "compiles": _compiles() - compiles_before}
 

@@ -390,3 +390,26 @@ def test_chunks_run_out_of_order(algo, device, monkeypatch):
     ref = reference_and_grads(lambda f, w, bb: dense_submconv(f, coords, shape, 1, w, bb, (1, 1, 1)),
                               feats, weight, b, grad_out)
     check_all(got, ref, 2e-5, algo)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("out_dtype,has_bias", [(torch.float16, True), (torch.bfloat16, True),
+                                                (torch.float32, False), (torch.float16, False)])
+def test_splitk_epilogue_sums_adds_bias_and_casts(splits, out_dtype, has_bias, device):
+    """The split-K epilogue (kernels_src/conv_splitk.py): the fp32 partials' sum, plus the bias
+    of each row's channels, in out's dtype; two programs (the second partly masked), channels
+    not a power of two, against a float64 reference."""
+    from flexplan.launcher import launch
+    from flexplan.ops.conv import SPLITK_REDUCE_BLOCK, launch_splitk_reduce
+
+    gen = torch.Generator().manual_seed(splits)
+    m, n = 70, 24
+    assert SPLITK_REDUCE_BLOCK < m * n < 2 * SPLITK_REDUCE_BLOCK
+    partials = torch.randn(splits, m, n, generator=gen).to(device)
+    bias = torch.randn(n, generator=gen).to(out_dtype).to(device)
+    out = torch.full((m, n), float("nan"), dtype=out_dtype, device=device)
+    launch_splitk_reduce(launch, partials, bias if has_bias else out, out, m * n, n, splits,
+                         has_bias)
+    ref = partials.double().sum(0) + (bias.double() if has_bias else 0)
+    tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}[out_dtype]
+    assert (out.double() - ref).abs().max() <= tol * ref.abs().max()

@@ -58,6 +58,7 @@ GENERATIVE_KERNELS = ("generative_candidates", "run_starts", "generative_scatter
 VIEW_KERNELS = ("sorted_map_t", "chunk_order")
 PLAN_CHECK = "plan_bounds"
 IM2COL, IM2COL_CHANNEL_MAJOR = "im2col", "im2col_channel_major"
+SPLITK_REDUCE = "splitk_reduce"
 POOL_FWD, POOL_BWD = "sparse_pool_fwd", "sparse_pool_bwd"
 BN_PACK, BN_FINALIZE = "batchnorm_pack", "batchnorm_finalize"
 # Kernels: short name -> "module:attribute" in KERNEL_PACKAGE.
@@ -73,6 +74,7 @@ KERNELS = {
     PLAN_CHECK: "plan_check:plan_bounds_kernel",
     IM2COL: "conv_im2col:im2col_kernel",
     IM2COL_CHANNEL_MAJOR: "conv_im2col:im2col_channel_major_kernel",
+    SPLITK_REDUCE: "conv_splitk:splitk_reduce_kernel",
     POOL_FWD: "sparse_pool:sparse_pool_fwd_kernel",
     POOL_BWD: "sparse_pool:sparse_pool_bwd_kernel",
     BN_PACK: "batchnorm_stats:pack_kernel",
@@ -342,6 +344,21 @@ def im2col_variants() -> Iterator[Variant]:
                          reverse=reverse)
 
 
+def splitk_variants() -> Iterator[Variant]:
+    """The split-K epilogue of ops.conv (flexplan/kernels_src/conv_splitk.py) for every feature
+    dtype: forward with and without bias and grad-input write the features' dtype; grad-weight
+    writes the weight's, also float32 for 16-bit features (an fp32 master weight under
+    autocast). Sizes and split counts are not specialized: nothing else varies."""
+    from ..ops.conv import launch_splitk_reduce
+
+    for dtype in _feature_dtypes():
+        roles = dict(feature=dtype, accumulator=_acc_dtype(dtype))
+        yield record(launch_splitk_reduce, dict(roles, output=dtype), has_bias=True)
+        for out in sorted({dtype, _acc_dtype(dtype)}):  # without bias: out is its own dummy
+            yield record(launch_splitk_reduce, dict(roles, output=out), bias=("tensor", out),
+                         has_bias=False)
+
+
 def pool_variants() -> Iterator[Variant]:
     """The launches of ops.pool (max / avg, forward with and without what the backward reads,
     backward) for the covered feature dtypes, channel counts divisible by 16 (others
@@ -419,7 +436,7 @@ def enumerate_variants(kernel_filter: str | None = None, channels: Iterable[int]
     seen: dict[Variant, None] = {}
     for variant in itertools.chain(planner_variants(), segment_variants(), generative_variants(),
                                    view_variants(), check_variants(), im2col_variants(),
-                                   pool_variants(), batchnorm_variants()):
+                                   splitk_variants(), pool_variants(), batchnorm_variants()):
         if not kernel_filter or kernel_filter in variant.kernel:
             seen.setdefault(variant, None)
     if not kernel_filter or any(kernel_filter in family for family in _VARIANTS_OF):

@@ -30,8 +30,9 @@ from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM,
                               runtime_is_hip)
 from ..kernels_src.conv_gather_gemm import conv_gather_gemm_kernel
 from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
+from ..kernels_src.conv_splitk import splitk_reduce_kernel
 from ..kernels_src.conv_wgrad import conv_wgrad_kernel
-from ..launch_spec import FEATURE, INT32, OUTPUT, SIZE
+from ..launch_spec import ACCUMULATOR, FEATURE, INT32, OUTPUT, SIZE
 from ..launcher import cdiv, launch
 from ..plan import MISSING, ConvPlan, GatherMap, kernels_run_on
 from . import torch_fallback
@@ -108,6 +109,18 @@ def launch_wgrad(run, grad_out: FEATURE, src: FEATURE, pair_out: INT32, pair_in:
         **wgrad_constexprs(cfg, dtype, hip))
 
 
+# Elements per program of the split-K epilogue (a memory-bound pass: wide blocks, 4 warps).
+SPLITK_REDUCE_BLOCK = 1024
+
+
+def launch_splitk_reduce(run, partials: ACCUMULATOR, bias: FEATURE, out: OUTPUT, numel: SIZE,
+                         n: SIZE, splits: SIZE, has_bias: bool) -> None:
+    """out[i] = sum_s partials[s, i] (+ bias[i % n] with has_bias), in out's dtype; bias is a
+    dummy (any tensor) without has_bias."""
+    run(splitk_reduce_kernel, (-(-numel // SPLITK_REDUCE_BLOCK),), partials, bias, out, numel, n,
+        splits, HAS_BIAS=has_bias, BLOCK=SPLITK_REDUCE_BLOCK, num_warps=4)
+
+
 def launch_im2col(run, src: FEATURE, nmap: INT32, out: FEATURE, row_start: SIZE, rows: SIZE,
                   k: int, v: int) -> None:
     """Offset-major columns (v * K + k) of `rows` map rows from row_start."""
@@ -162,19 +175,17 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     # (a copy of V*Ci*Co elements, small next to the convolution; keeps tiles K-major).
     w_nvk = weight if part == "fwd" else weight.transpose(0, 2).contiguous()
     split = cfg.splitk > 1
-    acc_dtype = torch_fallback.accumulator_dtype(src.dtype)
-    dest = torch.empty((cfg.splitk, m, n), dtype=acc_dtype, device=src.device) if split else out
+    dest = torch.empty((cfg.splitk, m, n), dtype=torch_fallback.accumulator_dtype(src.dtype),
+                       device=src.device) if split else out
     has_bias = bias is not None and not split
 
     launch_gather_gemm(launch, src, w_nvk, bias if has_bias else w_nvk,
                        plan_views.sorted_map_t(gmap), gmap.sorted_idx,
                        plan_views.chunk_order(gmap), valid_kernel, valid_kernel_seg, dest,
                        m, k, n, v, cfg, masked, reverse, has_bias, dtype, hip)
-    if split:
-        total = dest.sum(0)
-        if bias is not None:
-            total += bias.to(acc_dtype)
-        out.copy_(total)
+    if split:  # the partials' sum, the bias and the cast in one launch
+        launch_splitk_reduce(launch, dest, bias if bias is not None else out, out, m * n, n,
+                             cfg.splitk, bias is not None)
     return out
 
 
@@ -237,15 +248,20 @@ def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bo
     dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()
     problem = Problem(pairs, ci, co, v, config_dtype(dtype, hip), algo, "wgrad")
     cfg = precision_config(select_config(WGRAD, problem), WGRAD, dtype, hip)
-    acc_dtype = torch_fallback.accumulator_dtype(src.dtype)
     if cfg.splitk > 1:
+        acc_dtype = torch_fallback.accumulator_dtype(src.dtype)
         dest = torch.empty((cfg.splitk, co, v, ci), dtype=acc_dtype, device=src.device)
     else:
         dest = src.new_empty((co, v, ci))
 
     launch_wgrad(launch, grad_out, src, plan.valid_signal_o, plan.valid_signal_i,
                  plan.valid_signal_seg, dest, co, ci, v, plan.signal_offsets, cfg, dtype, hip)
-    return (dest.sum(0) if cfg.splitk > 1 else dest).to(out_dtype)
+    if cfg.splitk == 1:
+        return dest.to(out_dtype)
+    out = torch.empty((co, v, ci), dtype=out_dtype, device=src.device)
+    # the splits' sum and the cast to out_dtype in one launch (no bias: out is its own dummy)
+    launch_splitk_reduce(launch, dest, out, out, co * v * ci, 1, cfg.splitk, False)
+    return out
 
 
 def _explicit_wgrad(grad_out, src, plan: ConvPlan, weight_shape):

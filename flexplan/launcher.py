@@ -192,7 +192,7 @@ def _resolve_and_launch(kernel, grid, args: tuple, constexprs: dict):
 
 
 # Triton's interpreter patches triton.language while it runs a kernel: two threads interpreting
-# at once (the plan prefetch worker and a layer) break each other's kernels. One at a time.
+# at once (a user's threads, each running layers) break each other's kernels. One at a time.
 _INTERPRETER_LOCK = threading.RLock()
 
 

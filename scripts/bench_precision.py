@@ -8,7 +8,7 @@ step by step, so a ratio compares steps taken milliseconds apart.
 
 Usage (GPU): python3 scripts/bench_precision.py [--steps 30] [--warmup 8]
              [--networks encoder,unet] [--phases train,infer] [--coords fresh,same]
-             [--variants flexplan-fused,flexplan-async]
+             [--variants flexplan-fused]
 Writes scripts/results/bench_precision.md.
 """
 from __future__ import annotations
@@ -27,16 +27,13 @@ sys.path.insert(0, str(SCRIPTS))
 
 import bench_e2e as e2e  # noqa: E402
 from flexplan.nn import fuse_conv_bn  # noqa: E402
-from flexplan.plan_prefetch import PREFETCH_ENV  # noqa: E402
 
 RESULTS = SCRIPTS / "results" / "bench_precision.md"
 BASE_RUNS = (("flexplan", "fp16"), ("flexplan", "amp-fp16"), ("flexplan", "bf16"),
              ("flexplan", "fp32"), ("spconv", "fp16"), ("spconv", "amp-fp16"), ("spconv", "fp32"))
-# Variants: flexplan fp16 changed one way each. flexplan-async: FLEXPLAN_PLAN_PREFETCH=async
-# around each step (the step's plans built on a worker thread, flexplan/plan_prefetch.py;
-# measured slower, off by default: bench_precision.md's notes). flexplan-fused: for inference,
-# the model's eval-mode BatchNorms folded into their convs (flexplan.nn.fuse_conv_bn, opt-in).
-VARIANTS = {"flexplan-async": {"env": (PREFETCH_ENV, "async")}, "flexplan-fused": {"fuse": True}}
+# Variants: flexplan fp16 changed one way each. flexplan-fused: for inference, the model's
+# eval-mode BatchNorms folded into their convs (flexplan.nn.fuse_conv_bn, opt-in).
+VARIANTS = {"flexplan-fused": {"fuse": True}}
 # (label with the issue's bound, numerator run, denominator run): step-time ratios.
 BASE_RATIOS = (
     ("flexplan amp-fp16 / fp16 (<= 1.10)", ("flexplan", "amp-fp16"), ("flexplan", "fp16")),
@@ -46,26 +43,9 @@ BASE_RATIOS = (
     ("spconv amp / flexplan amp", ("spconv", "amp-fp16"), ("flexplan", "amp-fp16")),
 )
 VARIANT_RATIOS = {
-    "flexplan-async": ("flexplan async / sync prefetch, fp16", ("flexplan-async", "fp16"),
-                       ("flexplan", "fp16")),
     "flexplan-fused": ("flexplan fused / flexplan fp16 (inference)", ("flexplan-fused", "fp16"),
                        ("flexplan", "fp16")),
 }
-
-
-def with_env(step, name: str, value: str):
-    """step with the environment variable `name` set to `value` while it runs."""
-    def run(batch):
-        before = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            return step(batch)
-        finally:
-            if before is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = before
-    return run
 
 
 def parse_args():
@@ -116,8 +96,6 @@ def run_cell(ctx, source, net_cls, state, phase: str, coords: str, args, errors:
             if variant.get("fuse") and phase == "infer":
                 fuse_conv_bn(net.eval())
             step = e2e.STEP_FNS[phase](net, sp, mode, ctx.device)
-            if "env" in variant:
-                step = with_env(step, *variant["env"])
             e2e.timed(step, batches[:args.warmup], ctx.device)
         except Exception as exc:
             errors.append(f"{impl} {mode_name} {phase} {coords}: {e2e.short_error(exc)}")

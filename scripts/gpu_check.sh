@@ -37,7 +37,7 @@ for step in "${steps[@]}"; do
     e2e)      python3 scripts/bench_e2e.py ;;  # whole train / inference steps vs spconv
     layers)   python3 scripts/bench_layers.py ;;  # the e2e encoder's layer shapes vs spconv, every dtype
     ddp)      python3 scripts/bench_ddp.py ;;  # DDP training on 1 and 2 GPUs vs spconv (2-GPU machine)
-    precision) python3 scripts/bench_precision.py ;;  # precision modes and async prefetch, step by step vs spconv
+    precision) python3 scripts/bench_precision.py ;;  # precision modes and BatchNorm folding, step by step vs spconv
     *) echo "unknown step $step"; false ;;
   esac || status=1
 done

@@ -105,6 +105,23 @@ def runtime_has_tf32(device_index: int) -> bool:
     return has_tf32(True, torch.cuda.get_device_properties(device_index).gcnArchName)
 
 
+# Dispatch (choose_algo, select_config) decides on a row count rounded up to its
+# DISPATCH_ROW_BITS leading bits: at most 12.5% above the exact count and never past the power of
+# two at or above it, so the tuned tables' buckets and the heuristic's row tiles are the exact
+# count's. With new coordinates every step the exact counts are new every call, and each call
+# missed every answer cache (the algorithm, the config, the heuristic: ~30 us of host time per
+# call against ~5 us for a repeated count, scripts/results/host_costs.md); on this grid a
+# job's layers ask a few classes each, answered from the caches after the first steps. The
+# kernels are launched with the exact counts.
+DISPATCH_ROW_BITS = 4
+
+
+def dispatch_rows(n: int) -> int:
+    """n rounded up to DISPATCH_ROW_BITS leading bits (n itself when it has no more)."""
+    shift = n.bit_length() - DISPATCH_ROW_BITS
+    return n if shift <= 0 else -(-n >> shift) << shift
+
+
 def config_dtype(dtype: str, hip: bool) -> str:
     """The dtype whose configs (tables, heuristic, algorithm choice) a problem of `dtype` runs:
     float32 on NVIDIA multiplies on tensor cores (3xTF32, dot_precision) as tf32 does, so it

@@ -321,3 +321,31 @@ def test_configs_for_aot_cover_shipped_tables_and_every_heuristic_pick(fake_gpu)
                 p = Problem(n, 64, 16, 27, "float16", algo, part)
                 cfg = dispatch.select_config(p.family, p)
                 assert tuple(sorted(cfg.launch_kwargs().items())) in compiled[p.family]
+
+
+def test_dispatch_rows_keep_the_bucket_and_stay_within_an_eighth():
+    import random
+
+    from flexplan.kernel_configs import dispatch_rows
+
+    rng = random.Random(0)
+    for n in list(range(1, 4096)) + [rng.randrange(1, 10**8) for _ in range(20000)]:
+        r = dispatch_rows(n)
+        assert n <= r <= n + n / 8 and pow2_ceil(r) == pow2_ceil(n), (n, r)
+
+
+def test_new_row_counts_every_call_ask_dispatch_few_questions():
+    """Fresh coordinates: a layer's row count is new every call (here 500 counts within +-5% of
+    100k). The questions the op asks the algorithm choice and the config heuristic are few,
+    so their caches answer after the first calls (they would grow by one entry per call on
+    exact counts)."""
+    from flexplan.kernel_configs import choose_algo, heuristic_config
+    from flexplan.ops.conv import resolve_algo
+
+    choose_algo.cache_clear()
+    heuristic_config.cache_clear()
+    for n in range(95_000, 105_000, 20):
+        for part in ("fwd", "dgrad", "wgrad"):
+            resolve_algo("auto", part, n if part != "wgrad" else 9 * n, 32, 32, 27, "float16")
+    assert choose_algo.cache_info().currsize <= 3 * 3
+    assert heuristic_config.cache_info().currsize <= 3 * 3

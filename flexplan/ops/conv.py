@@ -25,7 +25,7 @@ from ..compile_boundary import opaque
 from ..device_guard import on_device_of
 from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, IM2COL_BLOCK_K,
                               IM2COL_BLOCK_M, SCHEDULE_CHUNK, WGRAD, KernelConfig, Problem,
-                              choose_algo, config_dtype, dot_precision,
+                              choose_algo, config_dtype, dispatch_rows, dot_precision,
                               im2col_channel_major_blocks, precision_config, runtime_has_tf32,
                               runtime_is_hip)
 from ..kernels_src.conv_gather_gemm import conv_gather_gemm_kernel
@@ -55,7 +55,7 @@ def _dtype_name(dtype: torch.dtype, allow_tf32: bool, device: torch.device | Non
 def resolve_algo(algo: str, part: str, n: int, ci: int, co: int, v: int, dtype: str) -> str:
     if algo != AUTO:
         return algo
-    return choose_algo(part, n, ci, co, v, config_dtype(dtype, runtime_is_hip()))
+    return choose_algo(part, dispatch_rows(n), ci, co, v, config_dtype(dtype, runtime_is_hip()))
 
 
 def _block_for(gmap: GatherMap, block_m: int) -> int:
@@ -160,7 +160,7 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
         return _explicit_gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
     out = src.new_empty((m, n))
     dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()
-    problem = Problem(m, ci, co, v, config_dtype(dtype, hip), algo, part)
+    problem = Problem(dispatch_rows(m), ci, co, v, config_dtype(dtype, hip), algo, part)
     cfg = select_config(GATHER_GEMM, problem)
     masked = algo.startswith("masked")
     if masked:
@@ -246,7 +246,7 @@ def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bo
     if algo == "explicit" or pairs == 0:
         return _explicit_wgrad(grad_out, src, plan, weight_shape).to(out_dtype)
     dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()
-    problem = Problem(pairs, ci, co, v, config_dtype(dtype, hip), algo, "wgrad")
+    problem = Problem(dispatch_rows(pairs), ci, co, v, config_dtype(dtype, hip), algo, "wgrad")
     cfg = precision_config(select_config(WGRAD, problem), WGRAD, dtype, hip)
     if cfg.splitk > 1:
         acc_dtype = torch_fallback.accumulator_dtype(src.dtype)

@@ -190,6 +190,11 @@ class GatherMap:
                       made. The map never fills it itself (it is a passive value):
                       flexplan/plan_views.py derives each view on first use and keeps it here.
                       Not written to plan files, not pickled, not carried by map_tensors / to().
+    launch_memo:      key -> what a convolution's launch over this map takes from it and from
+                      dispatch (config, views), kept by flexplan/ops/conv.py for the map's next
+                      calls of the same shape; likewise never filled by the map, never written
+                      or carried. It holds no storage of its own (views of the fields above and
+                      of derived_views).
     """
 
     neighbor_map: torch.Tensor
@@ -197,6 +202,7 @@ class GatherMap:
     valid_kernel: Mapping[int, torch.Tensor]
     valid_kernel_seg: Mapping[int, torch.Tensor]
     derived_views: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    launch_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "valid_kernel", _read_only(self.valid_kernel))

@@ -413,3 +413,34 @@ def test_splitk_epilogue_sums_adds_bias_and_casts(splits, out_dtype, has_bias, d
     ref = partials.double().sum(0) + (bias.double() if has_bias else 0)
     tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}[out_dtype]
     assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_a_maps_launch_is_resolved_once_while_dispatch_holds(device, monkeypatch):
+    """gather_gemm keeps what a launch takes from the map and dispatch (GatherMap.launch_memo):
+    a second call of the same shape on the map asks dispatch nothing; new answers (tables
+    reset: a new epoch) are asked for again, and a config forced by the tuner is never kept."""
+    import importlib
+
+    from flexplan.kernel_configs import KernelConfig
+    from flexplan.tuning import dispatch
+
+    conv_module = importlib.import_module("flexplan.ops.conv")
+    asked = []
+    real = conv_module.select_config
+    monkeypatch.setattr(conv_module, "select_config",
+                        lambda family, problem: asked.append(problem) or real(family, problem))
+    coords, plan = submanifold_case(70, seed=41)
+    plan = plan.to(device)
+    feats, weight, bias = make_inputs(coords.shape[0], 16, 16, (3, 3, 3), torch.float32, device, 42)
+    ref = sparse_conv(feats, plan, weight, bias, algo="masked")
+    assert len(asked) == 1
+    assert torch.equal(sparse_conv(feats, plan, weight, bias, algo="masked"), ref)
+    assert len(asked) == 1  # from the map's memo
+    dispatch.reset()
+    sparse_conv(feats, plan, weight, bias, algo="masked")
+    assert len(asked) == 2  # a new epoch: asked again
+    with dispatch.forced_config(KernelConfig(16, 16, 16, 1, 4, 2)):
+        forced = sparse_conv(feats, plan, weight, bias, algo="masked")
+    assert len(asked) == 3 and (forced - ref).abs().max() <= 1e-4 * ref.abs().max()
+    sparse_conv(feats, plan, weight, bias, algo="masked")
+    assert len(asked) == 3  # the forced config was not kept; the epoch's answer was

@@ -76,6 +76,13 @@ def select_config(family: str, problem: Problem) -> KernelConfig:
     return config
 
 
+def answers_epoch() -> int | None:
+    """A number that changes whenever select_config's answers may (tables loaded, tuned or
+    reset), or None while this thread forces a config: a caller may keep an answer under the
+    epoch it was given in, and must not keep one given under None."""
+    return None if getattr(_forced, "config", None) is not None else _generation
+
+
 def config_from(configs: dict, family: str, problem: Problem,
                 shared_memory: int | None = None) -> KernelConfig:
     """The rule select_config applies with a device's tables `configs` ({Bucket: KernelConfig}):

@@ -265,7 +265,7 @@ def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bo
     if algo == "explicit" or pairs == 0:
         return _explicit_wgrad(grad_out, src, plan, weight_shape).to(out_dtype)
     # (kept with the plan's fwd map as gather_gemm keeps its launches: see _gather_gemm_launch)
-    epoch, memo_key = answers_epoch(), ("wgrad", algo, co, ci, v, src.dtype, allow_tf32)
+    epoch, memo_key = answers_epoch(), ("wgrad", algo, pairs, co, ci, v, src.dtype, allow_tf32)
     known = plan.fwd.launch_memo.get(memo_key)
     if known is None or known[0] != epoch or epoch is None:
         dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()

@@ -23,6 +23,7 @@ import torch
 from .. import plan_views
 from ..compile_boundary import opaque
 from ..device_guard import on_device_of
+from ..graph_capture import capturing
 from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM, IM2COL_BLOCK_K,
                               IM2COL_BLOCK_M, SCHEDULE_CHUNK, WGRAD, KernelConfig, Problem,
                               choose_algo, config_dtype, dispatch_rows, dot_precision,
@@ -39,7 +40,6 @@ from . import torch_fallback
 # From dispatch, not the flexplan.tuning package: that package also wires in the run-time
 # tuner, which sits above the ops (it times gather_gemm and wgrad below).
 from ..tuning.dispatch import answers_epoch, select_config
-from ..graph_capture import capturing
 
 AUTO = "auto"
 
@@ -160,13 +160,9 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     if algo == "explicit":
         return _explicit_gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
     out = src.new_empty((m, n))
-    epoch, memo_key = answers_epoch(), (part, algo, k, n, v, src.dtype, allow_tf32)
-    known = gmap.launch_memo.get(memo_key)
-    if known is None or known[0] != epoch or epoch is None:
-        known = (epoch,) + _gather_gemm_launch(src, gmap, part, algo, m, k, n, v, allow_tf32)
-        if epoch is not None and not capturing(src.device):  # (views made in a capture: never kept)
-            gmap.launch_memo[memo_key] = known
-    _, cfg, masked, map_t, chunks, valid_kernel, valid_kernel_seg, dtype, hip = known
+    cfg, masked, map_t, chunks, valid_kernel, valid_kernel_seg, dtype, hip = _kept_launch(
+        gmap, (part, algo, k, n, v, src.dtype, allow_tf32), src.device,
+        lambda: _gather_gemm_launch(src, gmap, part, algo, m, ci, co, v, allow_tf32))
     # The kernel reads the weight as [N, V, K]: [Co, V, Ci] as is, or transposed for grad-input
     # (a copy of V*Ci*Co elements, small next to the convolution; keeps tiles K-major).
     w_nvk = weight if part == "fwd" else weight.transpose(0, 2).contiguous()
@@ -184,14 +180,27 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     return out
 
 
-def _gather_gemm_launch(src, gmap: GatherMap, part: str, algo: str, m: int, k: int, n: int,
+def _kept_launch(gmap: GatherMap, key: tuple, device: torch.device, resolve) -> tuple:
+    """resolve()'s answer for a launch over gmap, kept in gmap.launch_memo under key while
+    dispatch's answers hold (answers_epoch): a fresh plan serves a few convs of one shape per
+    step, each resolving its config and views again otherwise (host time in a host-bound
+    step). Never kept under a config the tuner forces, nor from inside a CUDA graph capture
+    (views made there must not outlive it)."""
+    epoch = answers_epoch()
+    known = gmap.launch_memo.get(key)
+    if known is not None and known[0] == epoch and epoch is not None:
+        return known[1]
+    answer = resolve()
+    if epoch is not None and not capturing(device):
+        gmap.launch_memo[key] = epoch, answer
+    return answer
+
+
+def _gather_gemm_launch(src, gmap: GatherMap, part: str, algo: str, m: int, ci: int, co: int,
                         v: int, allow_tf32: bool) -> tuple:
     """What a gather-GEMM launch over gmap takes besides the call's own tensors: (config,
-    masked, sorted_map_t, chunk_order, valid_kernel, valid_kernel_seg, dtype, hip). The same
-    for every call of one (part, algo, shape, dtype) on the map while dispatch's answers hold,
-    so gather_gemm keeps it in gmap.launch_memo: a fresh plan serves a few convs of one shape
-    per step, each resolving this again otherwise (host time in a host-bound step)."""
-    ci, co = (k, n) if part == "fwd" else (n, k)
+    masked, sorted_map_t, chunk_order, valid_kernel, valid_kernel_seg, dtype, hip), the same
+    for every call of one (part, algo, shape, dtype) on the map (_kept_launch)."""
     dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()
     problem = Problem(dispatch_rows(m), ci, co, v, config_dtype(dtype, hip), algo, part)
     cfg = select_config(GATHER_GEMM, problem)
@@ -264,18 +273,9 @@ def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bo
     pairs = plan.num_pairs
     if algo == "explicit" or pairs == 0:
         return _explicit_wgrad(grad_out, src, plan, weight_shape).to(out_dtype)
-    # (kept with the plan's fwd map as gather_gemm keeps its launches: see _gather_gemm_launch)
-    epoch, memo_key = answers_epoch(), ("wgrad", algo, pairs, co, ci, v, src.dtype, allow_tf32)
-    known = plan.fwd.launch_memo.get(memo_key)
-    if known is None or known[0] != epoch or epoch is None:
-        dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()
-        problem = Problem(dispatch_rows(pairs), ci, co, v, config_dtype(dtype, hip), algo,
-                          "wgrad")
-        known = (epoch, precision_config(select_config(WGRAD, problem), WGRAD, dtype, hip),
-                 dtype, hip)
-        if epoch is not None:
-            plan.fwd.launch_memo[memo_key] = known
-    _, cfg, dtype, hip = known
+    cfg, dtype, hip = _kept_launch(  # (kept with the plan's fwd map)
+        plan.fwd, ("wgrad", algo, pairs, co, ci, v, src.dtype, allow_tf32), src.device,
+        lambda: _wgrad_launch(src, pairs, ci, co, v, algo, allow_tf32))
     if cfg.splitk > 1:
         acc_dtype = torch_fallback.accumulator_dtype(src.dtype)
         dest = torch.empty((cfg.splitk, co, v, ci), dtype=acc_dtype, device=src.device)
@@ -290,6 +290,13 @@ def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bo
     # the splits' sum and the cast to out_dtype in one launch (no bias: out is its own dummy)
     launch_splitk_reduce(launch, dest, out, out, co * v * ci, 1, cfg.splitk, False)
     return out
+
+
+def _wgrad_launch(src, pairs: int, ci: int, co: int, v: int, algo: str, allow_tf32: bool) -> tuple:
+    """(config, dtype, hip) of a grad-weight launch over `pairs` pairs (_kept_launch)."""
+    dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()
+    problem = Problem(dispatch_rows(pairs), ci, co, v, config_dtype(dtype, hip), algo, "wgrad")
+    return precision_config(select_config(WGRAD, problem), WGRAD, dtype, hip), dtype, hip
 
 
 def _explicit_wgrad(grad_out, src, plan: ConvPlan, weight_shape):

@@ -27,3 +27,18 @@ def dot_acc(a, b, acc, PRECISION: tl.constexpr):
         else:
             acc = tl.dot(a, b, acc)
     return acc
+
+
+@triton.jit
+def split_tile_ticket(count_ptr):
+    """Called by each split of a split-K tile once its partial sum is stored: how many splits of
+    the tile stored theirs before this one (the last one sees S - 1 and sums the partials).
+
+    The counters live in a zeroed int32 buffer that the last split resets after reading, so a
+    buffer serves launch after launch on its stream (ops/conv.py, split_tile_counts). The
+    barrier orders every thread's partial stores before the one atomic, whose acq_rel
+    semantics (GPU scope) publish them to the program that draws the last ticket and make
+    them visible to it (the pattern of CUTLASS's serial split-K semaphore); that program
+    reads them past L1 (.cg)."""
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr, 1, sem="acq_rel")

@@ -13,10 +13,12 @@ Constexpr switches (each a small, enumerable set, so the AOT build can list them
   MASKED:    each block of rows only visits the offsets its rows have (valid_kernel /
              valid_kernel_seg for BLOCK_M); else all V.
   REVERSE_V: map column v pairs with weight offset V - 1 - v (submanifold grad-input).
-  SPLIT:     grid axis 1 (of size S) splits the reduction; each split writes its fp32 partial
-             sum to out[split] of an [S, M, N] workspace that the caller reduces (and adds bias
-             to). The split count comes from the grid, so it costs no compiled variant.
-  HAS_BIAS:  add bias[n] (only without SPLIT; bias_ptr is a dummy otherwise).
+  SPLIT:     grid axis 1 (of size S) splits the reduction; each split stores its fp32 partial
+             sum in partials[split] of an [S, M, N] workspace, and the last split of a tile to
+             finish sums the S partials in order 0..S-1 and writes the tile (conv_common.py,
+             split_tile_ticket: no second launch). The split count comes from the grid, so it
+             costs no compiled variant. Without SPLIT, partials and tile_counts are not read.
+  HAS_BIAS:  add bias[n] (bias_ptr is a dummy otherwise).
   PRECISION: how float32 inputs multiply (conv_common.dot_acc): ieee, tf32 or tf32x3.
 
 The weight is [N, V, K] contiguous: the layer weight [Co, V, Ci] for the forward, its transpose
@@ -25,7 +27,7 @@ The weight is [N, V, K] contiguous: the layer weight [Co, V, Ci] for the forward
 import triton
 import triton.language as tl
 
-from .conv_common import dot_acc
+from .conv_common import dot_acc, split_tile_ticket
 
 
 # Specialized (layer constants, one binary per layer): K, N, V (K and N divisible by 16 vectorize
@@ -33,11 +35,13 @@ from .conv_common import dot_acc
 # order and output tensors (own allocations: always 16-byte aligned). Not specialized (they
 # change from call to call): the row count M, and the offsets of valid_kernel and
 # valid_kernel_seg, views into the plan's one int32 buffer at size-dependent places that the
-# kernel reads one value at a time (alignment would buy nothing).
-@triton.jit(do_not_specialize=["M", "valid_kernel_ptr", "valid_kernel_seg_ptr"])
+# kernel reads one value at a time (alignment would buy nothing), and the split-K tile counters
+# (one scalar each; a dummy without SPLIT).
+@triton.jit(do_not_specialize=["M", "valid_kernel_ptr", "valid_kernel_seg_ptr",
+                             "tile_counts_ptr"])
 def conv_gather_gemm_kernel(
     src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr, valid_kernel_ptr,
-    valid_kernel_seg_ptr, out_ptr,
+    valid_kernel_seg_ptr, out_ptr, partials_ptr, tile_counts_ptr,
     M, K, N, V,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     MASKED: tl.constexpr, REVERSE_V: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -105,10 +109,21 @@ def conv_gather_gemm_kernel(
         acc = dot_acc(a, b, acc, PRECISION)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
-    if not SPLIT:
+    tile_offs = rows[:, None] * N + offs_n[None, :]
+    last = True
+    if SPLIT:
+        split_size = M.to(tl.int64) * N  # (64-bit: S * M * N may pass 2**31)
+        tl.store(partials_ptr + pid_k * split_size + tile_offs, acc, mask=out_mask)
+        ticket = split_tile_ticket(tile_counts_ptr + pid_mn)
+        last = ticket == splits - 1
+        if last:  # the splits' sum, in order (the same bits whichever split finishes last)
+            ptrs = partials_ptr + tile_offs
+            acc = tl.load(ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for _ in range(1, splits):
+                ptrs += split_size
+                acc += tl.load(ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(tile_counts_ptr + pid_mn, 0)  # ready for the next launch on this stream
+    if last:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)[None, :]
-        tl.store(out_ptr + rows[:, None] * N + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(out_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N + offs_n[None, :], acc, mask=out_mask)
+        tl.store(out_ptr + tile_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)

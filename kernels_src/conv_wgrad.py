@@ -5,22 +5,25 @@ dW[:, v, :] = sum over the pairs p of offset v of grad_out[o_p]^T in[i_p]: per o
 pairs of the first S offsets; an offset v >= S (submanifold plans) takes those of V - 1 - v
 with input and output rows swapped. Grid:
 (Co tiles x Ci tiles, V, S); split s of offset v takes the s-th of S equal slices of its pairs.
-Without SPLIT (S = 1) dW ([Co, V, Ci], the weight's layout) is stored in the weight dtype; with
-it each split stores its fp32 partial sum into an [S, Co, V, Ci] workspace the caller reduces.
+dW ([Co, V, Ci], the weight's layout) is stored in out's dtype (the weight's). With SPLIT each
+split stores its fp32 partial sum into an [S, Co, V, Ci] workspace, and the last split of a tile
+to finish sums the S partials in order and stores the tile (conv_common.split_tile_ticket);
+without it, partials and tile_counts are not read.
 """
 import triton
 import triton.language as tl
 
-from .conv_common import dot_acc
+from .conv_common import dot_acc, split_tile_ticket
 
 
 # Specialized (layer constants): CO, CI, V, S and the alignment of grad_out, src and out. Not
 # specialized: the pair tensors, views into the plan's pair buffer at size-dependent places,
-# read from run-time offsets (pair_seg) where alignment buys nothing. No size is an argument.
-@triton.jit(do_not_specialize=["pair_out_ptr", "pair_in_ptr", "pair_seg_ptr"])
+# read from run-time offsets (pair_seg) where alignment buys nothing, and the split-K tile
+# counters (one scalar each; a dummy without SPLIT). No size is an argument.
+@triton.jit(do_not_specialize=["pair_out_ptr", "pair_in_ptr", "pair_seg_ptr", "tile_counts_ptr"])
 def conv_wgrad_kernel(
-    grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr, out_ptr,
-    CO, CI, V, S,
+    grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr, out_ptr, partials_ptr,
+    tile_counts_ptr, CO, CI, V, S,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -64,7 +67,18 @@ def conv_wgrad_kernel(
 
     out_offs = offs_co[:, None] * (V * CI) + v * CI + offs_ci[None, :]
     out_mask = co_mask[:, None] & ci_mask[None, :]
-    if not SPLIT:
+    last = True
+    if SPLIT:
+        split_size = CO * V * CI
+        tl.store(partials_ptr + pid_k * split_size + out_offs, acc, mask=out_mask)
+        count_ptr = tile_counts_ptr + pid_mn * V + v
+        last = split_tile_ticket(count_ptr) == splits - 1
+        if last:  # the splits' sum, in order (the same bits whichever split finishes last)
+            ptrs = partials_ptr + out_offs
+            acc = tl.load(ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for _ in range(1, splits):
+                ptrs += split_size
+                acc += tl.load(ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(count_ptr, 0)  # ready for the next launch on this stream
+    if last:
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(out_ptr + pid_k.to(tl.int64) * CO * V * CI + out_offs, acc, mask=out_mask)

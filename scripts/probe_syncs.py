@@ -1,10 +1,12 @@
 """Where a fresh-coordinate step waits for the GPU: every host sync torch reports
 (torch.cuda.set_sync_debug_mode) during flexplan train / inference steps of the bench_e2e
 networks (fp16, a new LiDAR batch every step), grouped by the flexplan line that caused it;
-then the host's wall time per step inside plan lookups and builds (plan_provider.tensor_plan) and
-inside convolutions (ops.conv.sparse_conv, forward; backward runs in autograd).
+then the host's wall time per step inside plan lookups and builds (plan_provider.tensor_plan),
+convolutions (ops.conv.sparse_conv, forward), the backward pass (Tensor.backward) and the
+convolutions' part of it (SparseConvFunction.backward), BatchNorm (F.batch_norm, both ways
+through autograd: its forward only) and the optimizer step.
 
-Usage (GPU): python3 scripts/probe_syncs.py [--steps 3]
+Usage (GPU): python3 scripts/probe_syncs.py [--steps 3] [--timed 20] [--detail] [--impl spconv]
 """
 from __future__ import annotations
 
@@ -56,7 +58,13 @@ def main():
                         help="synchronize before each timed call (not timed)")
     parser.add_argument("--networks", default="encoder,unet")
     parser.add_argument("--phases", default="infer,train")
+    parser.add_argument("--impl", default="flexplan", choices=("flexplan", "spconv"),
+                        help="spconv: the same steps and parts on spconv (its convolutions' "
+                             "parts read 0)")
     args = parser.parse_args()
+    lib = sp
+    if args.impl == "spconv":
+        import spconv.pytorch as lib
     global DETAIL, SYNC_BEFORE
     DETAIL, SYNC_BEFORE = args.detail, args.sync_before
     device = torch.device("cuda")
@@ -65,12 +73,12 @@ def main():
         cls = NETS[name]
         for phase in args.phases.split(","):
             torch.manual_seed(0)
-            net = cls(sp).to(device).half()
+            net = cls(lib).to(device).half()
             opt = torch.optim.SGD(net.parameters(), lr=1e-3)
             batches = [lidar_batch(i, 2, 0, device, scans=scans)
                        for i in range(5 + args.steps + args.timed)]
             batches = [b._replace(features=b.features.half()) for b in batches]
-            step = step_fn(net, opt, phase, MODES["fp16"])
+            step = step_fn(net, opt, phase, MODES["fp16"], lib)
 
             for b in batches[:5]:
                 step(b)
@@ -99,16 +107,18 @@ def main():
 
 def time_parts(step, batches) -> dict:
     """Median wall ms per step: the whole step (synchronized), and the host time inside
-    get_plan and sparse_conv (outermost calls only)."""
-    totals = {"get_plan": 0.0, "sparse_conv": 0.0}
-    depth = [0]
-    calls = []  # (name, ms) of the outermost calls, in order, over all steps
+    get_plan, sparse_conv, the backward pass, the convolutions' backward, BatchNorm's forward
+    and the optimizer step (per part, outermost calls only)."""
+    totals = {"get_plan": 0.0, "sparse_conv": 0.0, "backward": 0.0, "conv_backward": 0.0,
+              "batch_norm": 0.0, "optimizer": 0.0}
+    depth = dict.fromkeys(totals, 0)
+    calls = []  # (name, ms) of the outermost get_plan / sparse_conv calls, in order
 
     def timing(name, fn):
         def wrapper(*args, **kwargs):
-            if depth[0]:
+            if depth[name]:
                 return fn(*args, **kwargs)
-            depth[0] += 1
+            depth[name] += 1
             if SYNC_BEFORE:  # an idle GPU at the call: does its host time depend on the queue?
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -117,21 +127,36 @@ def time_parts(step, batches) -> dict:
             finally:
                 took = time.perf_counter() - start
                 totals[name] += took
-                calls.append((name, took * 1e3))
-                depth[0] -= 1
+                if name in ("get_plan", "sparse_conv"):
+                    calls.append((name, took * 1e3))
+                depth[name] -= 1
         return wrapper
 
     # (flexplan.ops re-exports the function under its module's name: fetch the module itself)
+    conv_module = importlib.import_module("flexplan.ops.conv")
     real_plan = plan_provider.tensor_plan
-    real_conv = importlib.import_module("flexplan.ops.conv").sparse_conv
+    real_conv = conv_module.sparse_conv
     modules = [m for m in list(sys.modules.values())
                if getattr(m, "sparse_conv", None) is real_conv]
     plan_users = [m for m in list(sys.modules.values())
                   if getattr(m, "tensor_plan", None) is real_plan]
-    for m in modules:
-        m.sparse_conv = timing("sparse_conv", real_conv)
-    for m in plan_users:  # the layers' own name for it (and plan_provider's)
-        m.tensor_plan = timing("get_plan", real_plan)
+    patches = [(m, "sparse_conv", real_conv, timing("sparse_conv", real_conv)) for m in modules]
+    # (the layers' own name for it, and plan_provider's)
+    patches += [(m, "tensor_plan", real_plan, timing("get_plan", real_plan)) for m in plan_users]
+    function = conv_module.SparseConvFunction
+    real_backward = function.__dict__["backward"]
+    patches += [
+        (function, "backward", real_backward,
+         staticmethod(timing("conv_backward", real_backward.__func__))),
+        (torch.Tensor, "backward", torch.Tensor.backward,
+         timing("backward", torch.Tensor.backward)),
+        (torch.nn.functional, "batch_norm", torch.nn.functional.batch_norm,
+         timing("batch_norm", torch.nn.functional.batch_norm)),
+        (torch.optim.SGD, "step", torch.optim.SGD.__dict__["step"],
+         timing("optimizer", torch.optim.SGD.__dict__["step"])),
+    ]
+    for owner, name, _, patched in patches:
+        setattr(owner, name, patched)
     steps = []
     try:
         for b in batches:
@@ -140,10 +165,8 @@ def time_parts(step, batches) -> dict:
             torch.cuda.synchronize()
             steps.append(time.perf_counter() - start)
     finally:
-        for m in plan_users:
-            m.tensor_plan = real_plan
-        for m in modules:
-            m.sparse_conv = real_conv
+        for owner, name, real, _ in patches:
+            setattr(owner, name, real)
     steps.sort()
     if DETAIL:  # per call position within a step: the median over the steps
         per_step = len(calls) // len(batches)

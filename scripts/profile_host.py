@@ -134,6 +134,10 @@ def main():
               f"GPU ops per step: {launches / args.steps:.0f}")
         print(events.table(sort_by="self_device_time_total", row_limit=30,
                            max_name_column_width=60))
+        # The same kernels by launches per step: in host-bound steps each one is host time.
+        print("kernel launches per step, most first:")
+        for e in sorted(kernels, key=lambda e: -e.count)[:40]:
+            print(f"  {e.count / args.steps:6.1f}  {e.key[:100]}")
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def _dispatched(widths) -> set:
             assert not masked or cfg.block_m in PLAN_BLOCK_SIZES  # (heuristic, these tables)
             reverses = ((True,) * (v in coverage.SUBMANIFOLD_VOLUMES)
                         + (False,) * (v in coverage.STRIDED_VOLUMES)) if part == "dgrad" else (False,)
-            biases = (True, False) if part == "fwd" and cfg.splitk == 1 else (False,)
+            biases = (True, False) if part == "fwd" else (False,)
             for reverse, bias in itertools.product(reverses, biases):
                 constexprs = gather_gemm_constexprs(cfg, masked, reverse, bias, dtype, False)
                 out.add((GATHER_GEMM, dtype, _int_class(k), _int_class(nn), _int_class(v),
@@ -209,10 +209,12 @@ def test_the_e2e_networks_layers_are_covered():
 
 def test_lean_set_sizes():
     """The conv variants are the distinct (config, specialization) pairs: a few hundred per target,
-    not thousands (measured: 424 conv + 164 other kernels' for sm_90 with Triton 3.9)."""
+    not thousands (measured: 514 conv + 176 other kernels' for sm_90 with Triton 3.9; split-K
+    configs sum their partials in the conv kernels, so those come with and without bias, and
+    grad-weight's also with a float32 output for autocast's master weights)."""
     variants = enumerate_variants(targets=["sm_90"])
-    assert len(variants) == len(set(variants)) < 700
-    assert sum(v.kernel.startswith("conv_") for v in variants) < 500
+    assert len(variants) == len(set(variants)) < 750
+    assert sum(v.kernel.startswith("conv_") for v in variants) < 560
 
 
 # ---------------------------------------------------------------- python -m aot: targets, report

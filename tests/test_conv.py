@@ -393,26 +393,43 @@ def test_chunks_run_out_of_order(algo, device, monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [2, 5])
-@pytest.mark.parametrize("out_dtype,has_bias", [(torch.float16, True), (torch.bfloat16, True),
-                                                (torch.float32, False), (torch.float16, False)])
-def test_splitk_epilogue_sums_adds_bias_and_casts(splits, out_dtype, has_bias, device):
-    """The split-K epilogue (kernels_src/conv_splitk.py): the fp32 partials' sum, plus the bias
-    of each row's channels, in out's dtype; two programs (the second partly masked), channels
-    not a power of two, against a float64 reference."""
-    from flexplan.launcher import launch
-    from flexplan.ops.conv import SPLITK_REDUCE_BLOCK, launch_splitk_reduce
+def test_split_k_sums_in_the_kernel_and_leaves_its_counters_zeroed(splits, device, monkeypatch):
+    """Split-K in one launch (kernels_src/conv_common.py, split_tile_ticket): the last split of
+    each tile sums the fp32 partials, adds the bias and casts. Forward with bias in float16 and
+    grad-weight stored as float32 from float16 features (an fp32 master weight under autocast),
+    against float64 references, twice in a row: the counters the first launches used serve the
+    second (they are left zeroed: a counter left raised would skip tiles, leaving NaN)."""
+    import importlib
 
-    gen = torch.Generator().manual_seed(splits)
-    m, n = 70, 24
-    assert SPLITK_REDUCE_BLOCK < m * n < 2 * SPLITK_REDUCE_BLOCK
-    partials = torch.randn(splits, m, n, generator=gen).to(device)
-    bias = torch.randn(n, generator=gen).to(out_dtype).to(device)
-    out = torch.full((m, n), float("nan"), dtype=out_dtype, device=device)
-    launch_splitk_reduce(launch, partials, bias if has_bias else out, out, m * n, n, splits,
-                         has_bias)
-    ref = partials.double().sum(0) + (bias.double() if has_bias else 0)
-    tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}[out_dtype]
-    assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
+    from flexplan.kernel_configs import KernelConfig
+
+    ops_module = importlib.import_module("flexplan.ops.conv")
+    monkeypatch.setattr(ops_module, "select_config",
+                        lambda family, problem: KernelConfig(16, 16, 16, splits))
+    monkeypatch.setattr(ops_module, "_tile_counts", {})
+    coords, plan = submanifold_case(70, seed=splits)
+    plan = plan.to(device)
+    gen = torch.Generator().manual_seed(40 + splits)
+    m, ci, co = coords.shape[0], 24, 20
+    feats = torch.randn(m, ci, generator=gen).half()
+    weight = torch.randn(co, 27, ci, generator=gen).half()
+    bias = torch.randn(co, generator=gen).half()
+    grad_out = torch.randn(m, co, generator=gen).half()
+    nmap = plan.fwd.neighbor_map.cpu()
+    ref_out = gather_conv(feats.double(), nmap, weight.double(), bias.double())
+    cols = feats.double()[nmap.clamp(min=0).long()] * (nmap >= 0)[..., None]  # [m, V, Ci]
+    ref_wgrad = torch.einsum("mo,mvc->ovc", grad_out.double(), cols)
+    feats, weight, bias, grad_out = (t.to(device) for t in (feats, weight, bias, grad_out))
+    for _ in range(2):
+        out = ops_module.gather_gemm(feats, weight, bias, plan.fwd, False, "fwd", "masked_splitk",
+                                     False)
+        grad_w = ops_module.wgrad(grad_out, feats, plan, weight.shape, "masked_splitk", False,
+                                  out_dtype=torch.float32)
+        assert out.dtype == torch.float16 and grad_w.dtype == torch.float32
+        assert rel_err(out.cpu(), ref_out) < 3e-3
+        assert rel_err(grad_w.cpu(), ref_wgrad) < 1e-5
+    counters = list(ops_module._tile_counts.values())
+    assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
 def test_a_maps_launch_is_resolved_once_while_dispatch_holds(device, monkeypatch):

@@ -147,11 +147,11 @@ def test_call_classes_follow_the_decorators():
 
     fn = launcher.jit_function(kernel)
     how = dict(zip(fn.arg_names, launcher.arg_specialization(kernel)))
-    assert how["M"] == how["valid_kernel_ptr"] == launcher.NOT_SPECIALIZED
-    assert how["K"] == how["N"] == how["src_ptr"] == launcher.SPECIALIZED
+    assert how["M"] == how["valid_kernel_ptr"] == how["tile_counts_ptr"] == launcher.NOT_SPECIALIZED
+    assert how["K"] == how["N"] == how["src_ptr"] == how["partials_ptr"] == launcher.SPECIALIZED
     t = torch.zeros(64, dtype=torch.int32)
     f = torch.zeros(64)
-    args = [f, f, f, t, t, t, t, t, f, 16, 32, 64, 27]
+    args = [f, f, f, t, t, t, t, t, f, f, t, 16, 32, 64, 27]
 
     def key(**changes):
         call = list(args)

@@ -58,7 +58,6 @@ GENERATIVE_KERNELS = ("generative_candidates", "run_starts", "generative_scatter
 VIEW_KERNELS = ("sorted_map_t", "chunk_order")
 PLAN_CHECK = "plan_bounds"
 IM2COL, IM2COL_CHANNEL_MAJOR = "im2col", "im2col_channel_major"
-SPLITK_REDUCE = "splitk_reduce"
 POOL_FWD, POOL_BWD = "sparse_pool_fwd", "sparse_pool_bwd"
 BN_PACK, BN_FINALIZE = "batchnorm_pack", "batchnorm_finalize"
 # Kernels: short name -> "module:attribute" in KERNEL_PACKAGE.
@@ -74,7 +73,6 @@ KERNELS = {
     PLAN_CHECK: "plan_check:plan_bounds_kernel",
     IM2COL: "conv_im2col:im2col_kernel",
     IM2COL_CHANNEL_MAJOR: "conv_im2col:im2col_channel_major_kernel",
-    SPLITK_REDUCE: "conv_splitk:splitk_reduce_kernel",
     POOL_FWD: "sparse_pool:sparse_pool_fwd_kernel",
     POOL_BWD: "sparse_pool:sparse_pool_bwd_kernel",
     BN_PACK: "batchnorm_stats:pack_kernel",
@@ -213,16 +211,17 @@ def _acc_dtype(dtype: str) -> str:
 def gather_gemm_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
     """The launches of ops.conv.gather_gemm for one dispatched launch: grad-input over the
     forward map reversed (submanifold plans) or the backward map (the others); the forward with
-    and without bias (split-K adds it after the kernel)."""
+    and without bias. The output is in the features' dtype, split-K or not (the kernel sums
+    its accumulator-dtype partials)."""
     from ..ops.conv import launch_gather_gemm
 
     problem, cfg = launch.problem, launch.config
     feature = _torch_dtype(launch.dtype)
-    dtypes = dict(feature=feature, output=_acc_dtype(launch.dtype) if cfg.splitk > 1 else feature)
+    dtypes = dict(feature=feature, output=feature, accumulator=_acc_dtype(launch.dtype))
     _, k, n = problem.gemm_mkn
     reverses = (True,) * (problem.v in SUBMANIFOLD_VOLUMES) + (False,) * (
         problem.v in STRIDED_VOLUMES) if problem.part == "dgrad" else ()
-    biases = (True, False) if problem.part == "fwd" and cfg.splitk == 1 else (False,)
+    biases = (True, False) if problem.part == "fwd" else (False,)
     for reverse, bias in itertools.product(reverses or (False,), biases):
         yield record(launch_gather_gemm, dtypes, k=k, n=n, v=problem.v, cfg=cfg,
                      masked=problem.algo.startswith("masked"), reverse=reverse, has_bias=bias,
@@ -232,17 +231,21 @@ def gather_gemm_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
 def wgrad_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
     """The launch of ops.conv.wgrad for one dispatched launch (its config already the dtype's:
     kernel_configs.precision_config), over a submanifold plan's mirrored offsets or all of a
-    strided plan's."""
+    strided plan's; the gradient stored in the features' dtype or, split-K over 16-bit
+    features, also float32 (an fp32 master weight under autocast: ops.conv.wgrad)."""
     from ..ops.conv import launch_wgrad
 
     problem, cfg = launch.problem, launch.config
     feature = _torch_dtype(launch.dtype)
-    dtypes = dict(feature=feature, output=_acc_dtype(launch.dtype) if cfg.splitk > 1 else feature)
+    accumulator = _acc_dtype(launch.dtype)
     signals = ((mirrored_signal_offsets(problem.v),) * (problem.v in SUBMANIFOLD_VOLUMES)
                + (problem.v,) * (problem.v in STRIDED_VOLUMES))
-    for signal in signals or (problem.v,):
-        yield record(launch_wgrad, dtypes, co=problem.co, ci=problem.ci, v=problem.v,
-                     signal_offsets=signal, cfg=cfg, dtype=launch.dtype, hip=hip)
+    for signal, output in itertools.product(signals or (problem.v,),
+                                            sorted({feature, accumulator} if cfg.splitk > 1
+                                                   else {feature})):
+        yield record(launch_wgrad, dict(feature=feature, output=output, accumulator=accumulator),
+                     co=problem.co, ci=problem.ci, v=problem.v, signal_offsets=signal, cfg=cfg,
+                     dtype=launch.dtype, hip=hip)
 
 
 def _submanifold():
@@ -344,21 +347,6 @@ def im2col_variants() -> Iterator[Variant]:
                          reverse=reverse)
 
 
-def splitk_variants() -> Iterator[Variant]:
-    """The split-K epilogue of ops.conv (flexplan/kernels_src/conv_splitk.py) for every feature
-    dtype: forward with and without bias and grad-input write the features' dtype; grad-weight
-    writes the weight's, also float32 for 16-bit features (an fp32 master weight under
-    autocast). Sizes and split counts are not specialized: nothing else varies."""
-    from ..ops.conv import launch_splitk_reduce
-
-    for dtype in _feature_dtypes():
-        roles = dict(feature=dtype, accumulator=_acc_dtype(dtype))
-        yield record(launch_splitk_reduce, dict(roles, output=dtype), has_bias=True)
-        for out in sorted({dtype, _acc_dtype(dtype)}):  # without bias: out is its own dummy
-            yield record(launch_splitk_reduce, dict(roles, output=out), bias=("tensor", out),
-                         has_bias=False)
-
-
 def pool_variants() -> Iterator[Variant]:
     """The launches of ops.pool (max / avg, forward with and without what the backward reads,
     backward) for the covered feature dtypes, channel counts divisible by 16 (others
@@ -436,7 +424,7 @@ def enumerate_variants(kernel_filter: str | None = None, channels: Iterable[int]
     seen: dict[Variant, None] = {}
     for variant in itertools.chain(planner_variants(), segment_variants(), generative_variants(),
                                    view_variants(), check_variants(), im2col_variants(),
-                                   splitk_variants(), pool_variants(), batchnorm_variants()):
+                                   pool_variants(), batchnorm_variants()):
         if not kernel_filter or kernel_filter in variant.kernel:
             seen.setdefault(variant, None)
     if not kernel_filter or any(kernel_filter in family for family in _VARIANTS_OF):

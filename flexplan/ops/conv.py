@@ -31,7 +31,6 @@ from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM,
                               runtime_is_hip)
 from ..kernels_src.conv_gather_gemm import conv_gather_gemm_kernel
 from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
-from ..kernels_src.conv_splitk import splitk_reduce_kernel
 from ..kernels_src.conv_wgrad import conv_wgrad_kernel
 from ..launch_spec import ACCUMULATOR, FEATURE, INT32, OUTPUT, SIZE
 from ..launcher import cdiv, launch
@@ -91,35 +90,51 @@ def wgrad_constexprs(cfg: KernelConfig, dtype: str, hip: bool) -> dict:
 
 def launch_gather_gemm(run, src: FEATURE, weight: FEATURE, bias: FEATURE, sorted_map_t: INT32,
                        sorted_idx: INT32, chunk_order: INT32, valid_kernel: INT32,
-                       valid_kernel_seg: INT32, out: OUTPUT, m: SIZE, k: int, n: int, v: int,
-                       cfg: KernelConfig, masked: bool, reverse: bool, has_bias: bool,
-                       dtype: str, hip: bool) -> None:
-    """out[m, n] (or its split-K partials) = sum_v src[map[m, v]] @ W_v over a map's m rows;
-    weight read as [n, v, k]; bias read only with has_bias."""
+                       valid_kernel_seg: INT32, out: OUTPUT, partials: ACCUMULATOR,
+                       tile_counts: INT32, m: SIZE, k: int, n: int, v: int, cfg: KernelConfig,
+                       masked: bool, reverse: bool, has_bias: bool, dtype: str, hip: bool) -> None:
+    """out[m, n] = sum_v src[map[m, v]] @ W_v (+ bias) over a map's m rows; weight read as
+    [n, v, k]; bias read only with has_bias; partials ([S, m, n]) and tile_counts (one zeroed
+    counter per output tile, split_tile_counts) read only under split-K."""
+    split = cfg.splitk > 1
     run(conv_gather_gemm_kernel, (-(-m // cfg.block_m) * -(-n // cfg.block_n), cfg.splitk),
         src, weight, bias, sorted_map_t, sorted_idx, chunk_order, valid_kernel, valid_kernel_seg,
-        out, m, k, n, v, **gather_gemm_constexprs(cfg, masked, reverse, has_bias, dtype, hip))
+        out, partials if split else out, tile_counts, m, k, n, v,
+        **gather_gemm_constexprs(cfg, masked, reverse, has_bias, dtype, hip))
 
 
 def launch_wgrad(run, grad_out: FEATURE, src: FEATURE, pair_out: INT32, pair_in: INT32,
-                 pair_seg: INT32, out: OUTPUT, co: int, ci: int, v: int, signal_offsets: int,
-                 cfg: KernelConfig, dtype: str, hip: bool) -> None:
-    """out[co, v, ci] (or its split-K partials) over the plan's per-offset pairs."""
+                 pair_seg: INT32, out: OUTPUT, partials: ACCUMULATOR, tile_counts: INT32,
+                 co: int, ci: int, v: int, signal_offsets: int, cfg: KernelConfig, dtype: str,
+                 hip: bool) -> None:
+    """out[co, v, ci] over the plan's per-offset pairs; partials ([S, co, v, ci]) and
+    tile_counts (a zeroed counter per output tile and offset) read only under split-K."""
+    split = cfg.splitk > 1
     run(conv_wgrad_kernel, (-(-co // cfg.block_m) * -(-ci // cfg.block_n), v, cfg.splitk),
-        grad_out, src, pair_out, pair_in, pair_seg, out, co, ci, v, signal_offsets,
-        **wgrad_constexprs(cfg, dtype, hip))
+        grad_out, src, pair_out, pair_in, pair_seg, out, partials if split else out, tile_counts,
+        co, ci, v, signal_offsets, **wgrad_constexprs(cfg, dtype, hip))
 
 
-# Elements per program of the split-K epilogue (a memory-bound pass: wide blocks, 4 warps).
-SPLITK_REDUCE_BLOCK = 1024
+# (device index, raw stream) -> zeroed int32 split-K tile counters for launches on that stream
+_tile_counts: dict = {}
+_MIN_TILE_COUNTS = 4096
 
 
-def launch_splitk_reduce(run, partials: ACCUMULATOR, bias: FEATURE, out: OUTPUT, numel: SIZE,
-                         n: SIZE, splits: SIZE, has_bias: bool) -> None:
-    """out[i] = sum_s partials[s, i] (+ bias[i % n] with has_bias), in out's dtype; bias is a
-    dummy (any tensor) without has_bias."""
-    run(splitk_reduce_kernel, (-(-numel // SPLITK_REDUCE_BLOCK),), partials, bias, out, numel, n,
-        splits, HAS_BIAS=has_bias, BLOCK=SPLITK_REDUCE_BLOCK, num_warps=4)
+def split_tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """`tiles` zeroed int32 counters for one split-K launch on the current stream of `device`
+    (kernels_src/conv_common.py, split_tile_ticket). The kernels leave them zeroed, so one buffer
+    per stream serves every launch there in turn (a stream runs its launches in order; another
+    stream has its own). Under CUDA graph capture a buffer for the capture alone (its zeroing
+    is captured with it), never the one eager launches share."""
+    if capturing(device):
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    index = device.index
+    key = (index, torch._C._cuda_getCurrentRawStream(index) if device.type == "cuda" else 0)
+    counts = _tile_counts.get(key)
+    if counts is None or counts.numel() < tiles:
+        size = max(tiles, _MIN_TILE_COUNTS, 2 * counts.numel() if counts is not None else 0)
+        counts = _tile_counts[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return counts
 
 
 def launch_im2col(run, src: FEATURE, nmap: INT32, out: FEATURE, row_start: SIZE, rows: SIZE,
@@ -166,17 +181,15 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     # The kernel reads the weight as [N, V, K]: [Co, V, Ci] as is, or transposed for grad-input
     # (a copy of V*Ci*Co elements, small next to the convolution; keeps tiles K-major).
     w_nvk = weight if part == "fwd" else weight.transpose(0, 2).contiguous()
-    split = cfg.splitk > 1
-    dest = torch.empty((cfg.splitk, m, n), dtype=torch_fallback.accumulator_dtype(src.dtype),
-                       device=src.device) if split else out
-    has_bias = bias is not None and not split
-
-    launch_gather_gemm(launch, src, w_nvk, bias if has_bias else w_nvk, map_t, gmap.sorted_idx,
-                       chunks, valid_kernel, valid_kernel_seg, dest, m, k, n, v, cfg, masked,
-                       reverse, has_bias, dtype, hip)
-    if split:  # the partials' sum, the bias and the cast in one launch
-        launch_splitk_reduce(launch, dest, bias if bias is not None else out, out, m * n, n,
-                             cfg.splitk, bias is not None)
+    if cfg.splitk > 1:  # the kernel's last split of each tile sums the partials
+        partials = torch.empty((cfg.splitk, m, n), dtype=torch_fallback.accumulator_dtype(src.dtype),
+                               device=src.device)
+        tile_counts = split_tile_counts(src.device, -(-m // cfg.block_m) * -(-n // cfg.block_n))
+    else:  # (not read)
+        partials, tile_counts = out, gmap.sorted_idx
+    launch_gather_gemm(launch, src, w_nvk, bias if bias is not None else w_nvk, map_t,
+                       gmap.sorted_idx, chunks, valid_kernel, valid_kernel_seg, out, partials,
+                       tile_counts, m, k, n, v, cfg, masked, reverse, bias is not None, dtype, hip)
     return out
 
 
@@ -276,20 +289,22 @@ def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bo
     cfg, dtype, hip = _kept_launch(  # (kept with the plan's fwd map)
         plan.fwd, ("wgrad", algo, pairs, co, ci, v, src.dtype, allow_tf32), src.device,
         lambda: _wgrad_launch(src, pairs, ci, co, v, algo, allow_tf32))
-    if cfg.splitk > 1:
-        acc_dtype = torch_fallback.accumulator_dtype(src.dtype)
-        dest = torch.empty((cfg.splitk, co, v, ci), dtype=acc_dtype, device=src.device)
-    else:
-        dest = src.new_empty((co, v, ci))
-
+    # Split-K stores out_dtype from its fp32 sums (an fp32 master weight's gradient under
+    # autocast, no 16-bit round trip); one split stores the features' dtype, cast after if
+    # need be (one binary per config fewer to build ahead of time: aot/variants.py).
+    split = cfg.splitk > 1
+    out = torch.empty((co, v, ci), dtype=out_dtype if split else src.dtype, device=src.device)
+    if split:  # the kernel's last split of each tile sums the partials
+        partials = torch.empty((cfg.splitk, co, v, ci), device=src.device,
+                               dtype=torch_fallback.accumulator_dtype(src.dtype))
+        tile_counts = split_tile_counts(
+            src.device, -(-co // cfg.block_m) * -(-ci // cfg.block_n) * v)
+    else:  # (not read)
+        partials, tile_counts = out, plan.valid_signal_seg
     launch_wgrad(launch, grad_out, src, plan.valid_signal_o, plan.valid_signal_i,
-                 plan.valid_signal_seg, dest, co, ci, v, plan.signal_offsets, cfg, dtype, hip)
-    if cfg.splitk == 1:
-        return dest.to(out_dtype)
-    out = torch.empty((co, v, ci), dtype=out_dtype, device=src.device)
-    # the splits' sum and the cast to out_dtype in one launch (no bias: out is its own dummy)
-    launch_splitk_reduce(launch, dest, out, out, co * v * ci, 1, cfg.splitk, False)
-    return out
+                 plan.valid_signal_seg, out, partials, tile_counts, co, ci, v,
+                 plan.signal_offsets, cfg, dtype, hip)
+    return out.to(out_dtype)
 
 
 def _wgrad_launch(src, pairs: int, ci: int, co: int, v: int, algo: str, allow_tf32: bool) -> tuple:

@@ -34,7 +34,7 @@ from flexplan.kernel_configs import heuristic_config, runtime_is_hip  # noqa: E4
 from flexplan.kernels_src.conv_gather_gemm import conv_gather_gemm_kernel  # noqa: E402
 from flexplan.kernels_src.conv_wgrad import conv_wgrad_kernel  # noqa: E402
 from flexplan.ops.conv import (dgrad_map, gather_gemm_constexprs,  # noqa: E402
-                                      wgrad_constexprs)
+                               split_tile_counts, wgrad_constexprs)
 from flexplan.tuning import dispatch  # noqa: E402
 from flexplan.tuning.buckets import Bucket  # noqa: E402
 from flexplan.tuning.cases import part_case, shell_workload, torch_dtype  # noqa: E402
@@ -60,13 +60,15 @@ AUTOTUNE_PROBLEMS = ((256, 64, "float16", "fwd"), (128, 512, "tf32", "dgrad"),
 # constexpr (SPLITS, read by the grid) and run the very same kernel.
 @triton.jit
 def gather_gemm_splits(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr,
-                       valid_kernel_ptr, valid_kernel_seg_ptr, out_ptr, M, K, N, V,
+                       valid_kernel_ptr, valid_kernel_seg_ptr, out_ptr, partials_ptr,
+                       tile_counts_ptr, M, K, N, V,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT: tl.constexpr, MASKED: tl.constexpr, REVERSE_V: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
                        SPLITS: tl.constexpr):
     conv_gather_gemm_kernel(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr,
-                            valid_kernel_ptr, valid_kernel_seg_ptr, out_ptr, M, K, N, V,
+                            valid_kernel_ptr, valid_kernel_seg_ptr, out_ptr, partials_ptr,
+                            tile_counts_ptr, M, K, N, V,
                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT,
                             MASKED=MASKED, REVERSE_V=REVERSE_V, HAS_BIAS=HAS_BIAS,
                             PRECISION=PRECISION, CHUNK=CHUNK)
@@ -74,10 +76,11 @@ def gather_gemm_splits(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_
 
 @triton.jit
 def wgrad_splits(grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr, out_ptr,
-                 CO, CI, V, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+                 partials_ptr, tile_counts_ptr, CO, CI, V, S, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                 PRECISION: tl.constexpr, SPLITS: tl.constexpr):
     conv_wgrad_kernel(grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr, out_ptr,
-                      CO, CI, V, S, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT,
+                      partials_ptr, tile_counts_ptr, CO, CI, V, S, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT,
                       PRECISION=PRECISION)
 
 
@@ -87,31 +90,39 @@ def fixed_constexprs(constexprs: dict, cfg) -> dict:
 
 
 def wrapper_launch(work, part, max_splits):
-    """(kernel, grid, args, consts, pre_hook, dest) of the split-count wrapper for one part: the
-    case's algorithm, map and constexprs as ops.conv launches them (the same functions).
+    """(kernel, grid, args, consts, pre_hook, out) of the split-count wrapper for one part: the
+    case's algorithm, map and constexprs as ops.conv launches them (the same functions); the
+    kernel writes out, summing max_splits-sized partials under split-K itself (its tile
+    counters: ops.conv.split_tile_counts, left zeroed).
     The masked schedule depends on BLOCK_M: the pre-hook copies that block size's schedule into
     the buffers the kernel reads (a few KB)."""
     plan, w = work.plan, work.weight
+    dtype, _ = torch_dtype(work.dtype)
     co, v, ci = w.shape
     hip = runtime_is_hip()
     problem = part_case(work, part).problem
     algo, cfg = problem.algo, heuristic_config(problem.family, problem)
     if part == "wgrad":
         dest = torch.empty((max_splits, co, v, ci), dtype=torch.float32, device=w.device)
+        out = torch.empty((co, v, ci), dtype=dtype, device=w.device)
+        # (the smallest tiles any config has: 16 x 16)
+        counts = split_tile_counts(w.device, triton.cdiv(co, 16) * triton.cdiv(ci, 16) * v)
         args = (work.grad_out, work.feats, plan.valid_signal_o, plan.valid_signal_i,
-                plan.valid_signal_seg, dest, co, ci, v, plan.signal_offsets)
+                plan.valid_signal_seg, out, dest, counts, co, ci, v, plan.signal_offsets)
 
         def grid(meta):
             return (triton.cdiv(co, meta["BLOCK_M"]) * triton.cdiv(ci, meta["BLOCK_N"]), v,
                     meta["SPLITS"])
         consts = fixed_constexprs(wgrad_constexprs(cfg, work.dtype, hip), cfg)
-        return wgrad_splits, grid, args, consts, None, dest
+        return wgrad_splits, grid, args, consts, None, out
     gmap, reverse = (plan.fwd, False) if part == "fwd" else dgrad_map(plan)
     src = work.feats if part == "fwd" else work.grad_out
     w_nvk = w if part == "fwd" else w.transpose(0, 2).contiguous()
     m, k, n = gmap.num_rows, (ci if part == "fwd" else co), (co if part == "fwd" else ci)
     masked = algo.startswith("masked")
     dest = torch.empty((max_splits, m, n), dtype=torch.float32, device=w.device)
+    out = torch.empty((m, n), dtype=dtype, device=w.device)
+    counts = split_tile_counts(w.device, triton.cdiv(m, 16) * triton.cdiv(n, 16))
     hook = None
     vk = seg = gmap.sorted_idx  # unused unless masked
     if masked:
@@ -125,13 +136,13 @@ def wrapper_launch(work, part, max_splits):
             vk[:gmap.valid_kernel[bm].numel()].copy_(gmap.valid_kernel[bm])
             seg[:gmap.valid_kernel_seg[bm].numel()].copy_(gmap.valid_kernel_seg[bm])
     args = (src, w_nvk, w_nvk, sorted_map_t(gmap), gmap.sorted_idx, chunk_order(gmap), vk, seg,
-            dest, m, k, n, v)
+            out, dest, counts, m, k, n, v)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])
     consts = fixed_constexprs(gather_gemm_constexprs(cfg, masked, reverse, False, work.dtype, hip),
                               cfg)
-    return gather_gemm_splits, grid, args, consts, hook, dest
+    return gather_gemm_splits, grid, args, consts, hook, out
 
 
 def config_kwargs(c) -> dict:
@@ -140,19 +151,17 @@ def config_kwargs(c) -> dict:
 
 
 def autotuned_runner(work, part, configs):
-    """(run, autotuner): run() = the autotuned kernel + split-K reduction, like the op."""
-    kernel, grid, args, consts, hook, dest = wrapper_launch(work, part,
-                                                            max(c.splitk for c in configs))
+    """(run, autotuner): run() = the autotuned kernel (its split-K sums in it), like the op."""
+    kernel, grid, args, consts, hook, out = wrapper_launch(work, part,
+                                                           max(c.splitk for c in configs))
     key = ["CO", "CI", "V"] if part == "wgrad" else ["M", "K", "N"]
     tconfigs = [triton.Config(config_kwargs(c), num_warps=c.num_warps, num_stages=c.num_stages,
                               pre_hook=hook) for c in configs]
     tuner = triton.autotune(configs=tconfigs, key=key)(kernel)
-    dtype, _ = torch_dtype(work.dtype)
 
     def run():
         tuner[grid](*args, **consts)
-        splits = tuner.best_config.kwargs["SPLITS"]
-        return dest[:splits].sum(0).to(dtype) if splits > 1 else dest[0].to(dtype)
+        return out
     return run, tuner
 
 

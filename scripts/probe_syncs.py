@@ -107,10 +107,11 @@ def main():
 
 def time_parts(step, batches) -> dict:
     """Median wall ms per step: the whole step (synchronized), and the host time inside
-    get_plan, sparse_conv, the backward pass, the convolutions' backward, BatchNorm's forward
-    and the optimizer step (per part, outermost calls only)."""
+    get_plan, sparse_conv, the backward pass, the convolutions' backward, BatchNorm's forward,
+    the optimizer step, the input SparseConvTensor's construction (per part, outermost calls
+    only), and the wait for the GPU at the step's end."""
     totals = {"get_plan": 0.0, "sparse_conv": 0.0, "backward": 0.0, "conv_backward": 0.0,
-              "batch_norm": 0.0, "optimizer": 0.0}
+              "batch_norm": 0.0, "optimizer": 0.0, "input_tensor": 0.0, "end_sync": 0.0}
     depth = dict.fromkeys(totals, 0)
     calls = []  # (name, ms) of the outermost get_plan / sparse_conv calls, in order
 
@@ -155,6 +156,12 @@ def time_parts(step, batches) -> dict:
         (torch.optim.SGD, "step", torch.optim.SGD.__dict__["step"],
          timing("optimizer", torch.optim.SGD.__dict__["step"])),
     ]
+    # The step's input tensor (its coordinate check), whichever library's tensor the step makes.
+    for name in ("flexplan.nn.spconv", "spconv.pytorch"):
+        cls = getattr(sys.modules.get(name), "SparseConvTensor", None)
+        if cls is not None and "__init__" in cls.__dict__:
+            real_init = cls.__dict__["__init__"]
+            patches.append((cls, "__init__", real_init, timing("input_tensor", real_init)))
     for owner, name, _, patched in patches:
         setattr(owner, name, patched)
     steps = []
@@ -162,8 +169,10 @@ def time_parts(step, batches) -> dict:
         for b in batches:
             start = time.perf_counter()
             step(b)
-            torch.cuda.synchronize()
+            launched = time.perf_counter()
+            torch.cuda.synchronize()  # the GPU work still queued when the host is done
             steps.append(time.perf_counter() - start)
+            totals["end_sync"] += time.perf_counter() - launched
     finally:
         for owner, name, real, _ in patches:
             setattr(owner, name, real)

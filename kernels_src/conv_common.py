@@ -39,6 +39,10 @@ def split_tile_ticket(count_ptr):
     barrier orders every thread's partial stores before the one atomic, whose acq_rel
     semantics (GPU scope) publish them to the program that draws the last ticket and make
     them visible to it (the pattern of CUTLASS's serial split-K semaphore); that program
-    reads them past L1 (.cg)."""
+    reads them past L1 (.cg). One thread runs the atomic; the second barrier makes its
+    acquire every thread's (on AMD the barrier Triton adds to share the ticket fences local
+    memory only, so formally just the atomic's wave would acquire)."""
     tl.debug_barrier()
-    return tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    tl.debug_barrier()
+    return ticket

@@ -70,7 +70,7 @@ def conv_wgrad_kernel(
     last = True
     if SPLIT:
         split_size = CO * V * CI
-        tl.store(partials_ptr + pid_k * split_size + out_offs, acc, mask=out_mask)
+        tl.store(partials_ptr + pid_k.to(tl.int64) * split_size + out_offs, acc, mask=out_mask)
         count_ptr = tile_counts_ptr + pid_mn * V + v
         last = split_tile_ticket(count_ptr) == splits - 1
         if last:  # the splits' sum, in order (the same bits whichever split finishes last)

@@ -52,7 +52,8 @@ class Size:
 INT32, INT64 = Tensor("int32"), Tensor("int64")
 FLOAT32, FLOAT64 = Tensor("float32"), Tensor("float64")
 FEATURE = Tensor("feature")  # the op's feature dtype (a float dtype; float32 for tf32)
-OUTPUT = Tensor("output")  # what an op writes: the features' dtype, or a float32 master weight's gradient
+# What an op writes: the features' dtype, or float32 (a float32 master weight's gradient).
+OUTPUT = Tensor("output")
 ACCUMULATOR = Tensor("accumulator")  # split-K partial sums: float32 (float64 for float64 features)
 KEYS = Tensor("keys")  # packed voxel keys: int32 or int64 (planner/keys.py key_dtype)
 WORDS = Tensor("words")  # Gray-rank words: int32 or int64 (planner/segments_torch.py rank_words)

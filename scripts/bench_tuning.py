@@ -80,8 +80,8 @@ def wgrad_splits(grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                  PRECISION: tl.constexpr, SPLITS: tl.constexpr):
     conv_wgrad_kernel(grad_out_ptr, src_ptr, pair_out_ptr, pair_in_ptr, pair_seg_ptr, out_ptr,
-                      partials_ptr, tile_counts_ptr, CO, CI, V, S, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT,
-                      PRECISION=PRECISION)
+                      partials_ptr, tile_counts_ptr, CO, CI, V, S, BLOCK_M=BLOCK_M,
+                      BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT, PRECISION=PRECISION)
 
 
 def fixed_constexprs(constexprs: dict, cfg) -> dict:

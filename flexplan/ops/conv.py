@@ -182,8 +182,8 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     # (a copy of V*Ci*Co elements, small next to the convolution; keeps tiles K-major).
     w_nvk = weight if part == "fwd" else weight.transpose(0, 2).contiguous()
     if cfg.splitk > 1:  # the kernel's last split of each tile sums the partials
-        partials = torch.empty((cfg.splitk, m, n), dtype=torch_fallback.accumulator_dtype(src.dtype),
-                               device=src.device)
+        partials = torch.empty((cfg.splitk, m, n), device=src.device,
+                               dtype=torch_fallback.accumulator_dtype(src.dtype))
         tile_counts = split_tile_counts(src.device, -(-m // cfg.block_m) * -(-n // cfg.block_n))
     else:  # (not read)
         partials, tile_counts = out, gmap.sorted_idx

@@ -46,16 +46,3 @@ def split_tile_ticket(count_ptr):
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
     tl.debug_barrier()
     return ticket
-
-
-@triton.jit
-def split_partials_sum(ptrs, split_size, splits, mask, count_ptr):
-    """The last split's sum of its tile's partials: split s's at ptrs + s * split_size, added
-    in order 0..S-1 (the same bits whichever split finished last), read past L1 (.cg: other
-    programs wrote them). Resets the tile's counter for the next launch on this stream."""
-    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    for _ in range(1, splits):
-        ptrs += split_size
-        acc += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    tl.store(count_ptr, 0)
-    return acc

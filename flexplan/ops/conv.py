@@ -97,7 +97,7 @@ def launch_gather_gemm(run, src: FEATURE, weight: FEATURE, bias: FEATURE, sorted
     [n, v, k]; bias read only with has_bias; partials ([S, m, n]) and tile_counts (one zeroed
     counter per output tile, split_tile_counts) read only under split-K."""
     split = cfg.splitk > 1
-    run(conv_gather_gemm_kernel, (-(-m // cfg.block_m) * -(-n // cfg.block_n), cfg.splitk),
+    run(conv_gather_gemm_kernel, (output_tiles(m, n, cfg), cfg.splitk),
         src, weight, bias, sorted_map_t, sorted_idx, chunk_order, valid_kernel, valid_kernel_seg,
         out, partials if split else out, tile_counts, m, k, n, v,
         **gather_gemm_constexprs(cfg, masked, reverse, has_bias, dtype, hip))
@@ -110,9 +110,15 @@ def launch_wgrad(run, grad_out: FEATURE, src: FEATURE, pair_out: INT32, pair_in:
     """out[co, v, ci] over the plan's per-offset pairs; partials ([S, co, v, ci]) and
     tile_counts (a zeroed counter per output tile and offset) read only under split-K."""
     split = cfg.splitk > 1
-    run(conv_wgrad_kernel, (-(-co // cfg.block_m) * -(-ci // cfg.block_n), v, cfg.splitk),
+    run(conv_wgrad_kernel, (output_tiles(co, ci, cfg), v, cfg.splitk),
         grad_out, src, pair_out, pair_in, pair_seg, out, partials if split else out, tile_counts,
         co, ci, v, signal_offsets, **wgrad_constexprs(cfg, dtype, hip))
+
+
+def output_tiles(rows: int, cols: int, cfg: KernelConfig) -> int:
+    """Output tiles of a [rows, cols] result under cfg: the launches' first grid axis, and the
+    split-K tile counters they need (per offset, for grad-weight)."""
+    return -(-rows // cfg.block_m) * -(-cols // cfg.block_n)
 
 
 # (device index, raw stream) -> zeroed int32 split-K tile counters for launches on that stream
@@ -184,7 +190,7 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     if cfg.splitk > 1:  # the kernel's last split of each tile sums the partials
         partials = torch.empty((cfg.splitk, m, n), device=src.device,
                                dtype=torch_fallback.accumulator_dtype(src.dtype))
-        tile_counts = split_tile_counts(src.device, -(-m // cfg.block_m) * -(-n // cfg.block_n))
+        tile_counts = split_tile_counts(src.device, output_tiles(m, n, cfg))
     else:  # (not read)
         partials, tile_counts = out, gmap.sorted_idx
     launch_gather_gemm(launch, src, w_nvk, bias if bias is not None else w_nvk, map_t,
@@ -297,8 +303,7 @@ def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bo
     if split:  # the kernel's last split of each tile sums the partials
         partials = torch.empty((cfg.splitk, co, v, ci), device=src.device,
                                dtype=torch_fallback.accumulator_dtype(src.dtype))
-        tile_counts = split_tile_counts(
-            src.device, -(-co // cfg.block_m) * -(-ci // cfg.block_n) * v)
+        tile_counts = split_tile_counts(src.device, output_tiles(co, ci, cfg) * v)
     else:  # (not read)
         partials, tile_counts = out, plan.valid_signal_seg
     launch_wgrad(launch, grad_out, src, plan.valid_signal_o, plan.valid_signal_i,

@@ -33,13 +33,60 @@ def mirrored_signal_offsets(volume: int) -> int:
     return volume // 2 + 1
 
 
-def signal_fields(sig_i, sig_o, sig_seg, device, training: bool) -> dict:
-    """ConvPlan's valid_signal fields and for_training: the pairs given, or for an inference
-    plan (training False) none (the schedule was asked for no pairs: any given are None)."""
+class PendingCount:
+    """A count the device computes during a plan build, for the host to read later without a
+    host sync of the stream: at the build, copied to pinned memory behind an event; read on
+    first use, which waits only for that event (long passed by then: the build's own
+    kernels), not for the work queued since. A build that must size nothing by the count
+    leaves the host's launches running ahead of the GPU. Pickles as the number itself."""
+
+    __slots__ = ("_host", "_event", "_value")
+
+    def __init__(self, source: torch.Tensor):
+        """source: a one-element integer tensor the work queued so far leaves the count in."""
+        self._host = self._event = self._value = None
+        if source.is_cuda:
+            self._host = torch.empty(1, dtype=source.dtype, pin_memory=True)
+            self._host.copy_(source.reshape(1), non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:  # kernels on the CPU (the interpreter) ran already: read when asked, as on a GPU
+            self._host = source.reshape(1)
+
+    @classmethod
+    def known(cls, value: int) -> "PendingCount":
+        count = cls.__new__(cls)
+        count._host = count._event = None
+        count._value = int(value)
+        return count
+
+    def value(self) -> int:
+        if self._value is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._value = int(self._host[0])
+            self._host = self._event = None
+        return self._value
+
+    def __reduce__(self):
+        return PendingCount.known, (self.value(),)
+
+
+def signal_fields(signal, device, training: bool) -> dict:
+    """ConvPlan's valid_signal fields and for_training from a schedule's pairs: None, (input
+    rows, output rows, seg), or those three with room past the pairs and the PendingCount of
+    the pairs (pairs_pending). An inference plan (training False) has none (the schedule was
+    asked for no pairs: any given are None)."""
+    pending = None
     if not training:
         sig_i, sig_o, sig_seg = _no_pairs(torch.device(device))
+    elif signal is None:
+        sig_i = sig_o = sig_seg = None
+    else:
+        sig_i, sig_o, sig_seg, *rest = signal
+        pending = rest[0] if rest else None
     return dict(valid_signal_i=sig_i, valid_signal_o=sig_o, valid_signal_seg=sig_seg,
-                for_training=training)
+                for_training=training, pairs_pending=pending)
 
 
 def _no_pairs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -263,6 +310,12 @@ class ConvPlan:
     for_training: False for a plan built for inference (no gradient will be taken): it has no
           valid_signal pairs (empty, S = 0) and, strided or transposed, no bwd map (bwd None):
           those cost a third to a half of a build and only backward reads them.
+    pairs_pending: None, or the PendingCount P of the pairs while valid_signal_i / _o still
+          hold room past them: a GPU build that sized them by a bound instead of waiting for
+          its kernels (planner: a submanifold training build makes no host sync). num_pairs
+          reads the count, `settled()` is the same plan with the exact views; the kernels
+          read the pairs through valid_signal_seg and never need it. tensors(), map_tensors,
+          to(), pin_memory and pickling give settled plans.
     """
 
     geometry: ConvGeometry
@@ -279,6 +332,7 @@ class ConvPlan:
     valid_signal_seg: torch.Tensor
     for_training: bool = True
     version: int = PLAN_FORMAT_VERSION
+    pairs_pending: Optional[PendingCount] = field(default=None, compare=False, repr=False)
 
     @property
     def kernel_volume(self) -> int:
@@ -297,20 +351,30 @@ class ConvPlan:
     def num_pairs(self) -> int:
         """All (input row, output row) pairs of the convolution, mirrored ones included (the
         centre's pairs, one per output row, are their own mirror)."""
-        stored = int(self.valid_signal_i.numel())
+        stored = (int(self.valid_signal_i.numel()) if self.pairs_pending is None
+                  else self.pairs_pending.value())
         return stored if self.signal_offsets == self.kernel_volume else 2 * stored - self.num_out
+
+    def settled(self) -> "ConvPlan":
+        """This plan with valid_signal_i / _o the exact pairs (itself when they are)."""
+        if self.pairs_pending is None:
+            return self
+        pairs = self.pairs_pending.value()
+        return replace(self, valid_signal_i=self.valid_signal_i[:pairs],
+                       valid_signal_o=self.valid_signal_o[:pairs], pairs_pending=None)
 
     @property
     def device(self) -> torch.device:
         return self.fwd.neighbor_map.device
 
     def map_tensors(self, fn) -> "ConvPlan":
-        """The same plan with fn applied to every tensor."""
-        return replace(self, out_coords=fn(self.out_coords), fwd=self.fwd.map_tensors(fn),
-                       bwd=None if self.bwd is None else self.bwd.map_tensors(fn),
-                       valid_signal_i=fn(self.valid_signal_i),
-                       valid_signal_o=fn(self.valid_signal_o),
-                       valid_signal_seg=fn(self.valid_signal_seg))
+        """The same plan, settled, with fn applied to every tensor."""
+        plan = self.settled()
+        return replace(plan, out_coords=fn(plan.out_coords), fwd=plan.fwd.map_tensors(fn),
+                       bwd=None if plan.bwd is None else plan.bwd.map_tensors(fn),
+                       valid_signal_i=fn(plan.valid_signal_i),
+                       valid_signal_o=fn(plan.valid_signal_o),
+                       valid_signal_seg=fn(plan.valid_signal_seg))
 
     def to(self, device, non_blocking: bool = False) -> "ConvPlan":
         """The same plan with every tensor on `device` (pinned sources copy asynchronously)."""
@@ -330,10 +394,12 @@ class ConvPlan:
         return held
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the plan under a flat, stable name (for serialization and equality)."""
+        """Every tensor of the settled plan under a flat, stable name (for serialization and
+        equality)."""
+        plan = self.settled()
         out: dict[str, torch.Tensor] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for f in fields(plan):
+            value = getattr(plan, f.name)
             if isinstance(value, torch.Tensor):
                 out[f.name] = value
             elif isinstance(value, GatherMap):
@@ -343,3 +409,7 @@ class ConvPlan:
                     out[f"{f.name}.valid_kernel.{b}"] = value.valid_kernel[b]
                     out[f"{f.name}.valid_kernel_seg.{b}"] = value.valid_kernel_seg[b]
         return out
+
+    def __reduce__(self):  # settled: no room past the pairs crosses a process boundary
+        plan = self.settled()
+        return ConvPlan, tuple(getattr(plan, f.name) for f in fields(plan))

@@ -58,10 +58,16 @@ def _narrowest(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+def _stored_fields():
+    """ConvPlan's fields a file holds: not the build-time state (pairs_pending, compare=False:
+    a written plan is settled)."""
+    return [f for f in fields(ConvPlan) if f.compare]
+
+
 def plan_meta(plan: ConvPlan) -> dict:
     """Every non-tensor field of the plan, JSON-ready."""
     meta = {}
-    for f in fields(ConvPlan):
+    for f in _stored_fields():
         value = getattr(plan, f.name)
         if isinstance(value, ConvGeometry):
             meta[f.name] = asdict(value)
@@ -87,7 +93,7 @@ def _gather_map(tensors: dict, prefix: str) -> GatherMap | None:
 def plan_from_parts(meta: dict, tensors: dict[str, torch.Tensor]) -> ConvPlan:
     """Inverse of (plan_meta(plan), plan.tensors())."""
     values = {}
-    for f in fields(ConvPlan):
+    for f in _stored_fields():
         if f.name == "geometry":
             values[f.name] = ConvGeometry(**{k: tuple(v) if isinstance(v, list) else v
                                              for k, v in meta[f.name].items()})

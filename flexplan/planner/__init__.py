@@ -7,6 +7,7 @@ import torch
 
 from ..device_guard import on_device_of
 from ..geometry import ConvGeometry, triple
+from ..graph_capture import capturing
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..plan import ConvPlan, mirrored_signal_offsets, signal_fields
 from ..coords_check import check_coords, check_coords_layout, raise_coords_problems
@@ -15,9 +16,13 @@ from .generative_triton import generative_plan_triton
 from .hashmap import PROBLEM_SLOTS, problem_rows, submanifold_neighbor_map_triton
 from .reference import submanifold_neighbor_map_torch
 from .segments import plan_schedule
-from .segments_triton import schedule_layout
+from .segments_triton import deferred_pairs_bound, schedule_layout
 
 BACKENDS = ("auto", "torch", "triton")
+# The most pairs a submanifold training build sizes by their bound (segments_triton.
+# deferred_pairs_bound, 8 bytes each) rather than syncing to learn their count: 16M, 128 MiB
+# held until the plan goes (a 230k-row LiDAR level: 3.2M). A larger build syncs.
+DEFERRED_PAIRS_MAX = 16 << 20
 
 
 def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: int,
@@ -66,15 +71,19 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training) -
                                                          flags=check)
     num_flags = 0 if problems is None or not check else PROBLEM_SLOTS
     # Nothing to read back without flags and pairs: an unchecked inference build makes no host
-    # sync at all (its valid_kernel lengths stay on the device, plan.BlockRuns).
+    # sync at all (its valid_kernel lengths stay on the device, plan.BlockRuns). An unchecked
+    # training build neither: its pairs get room for the most there can be, their count is
+    # read when the backward needs it (ConvPlan.pairs_pending).
+    defer = (signal_offsets > 0 and not num_flags and not capturing(coords.device)
+             and deferred_pairs_bound(coords.shape[0], signal_offsets) <= DEFERRED_PAIRS_MAX)
     fwd, signal, flag_values = plan_schedule(
         nmap, PLAN_BLOCK_SIZES, backend, readback=problems, num_flags=num_flags,
         signal_offsets=signal_offsets, layout=layout,
-        pairs_total=0 if not signal_offsets and not num_flags else None)
+        pairs_total=0 if not signal_offsets and not num_flags else None, defer_pairs=defer)
     # The Triton build's coords check: a flag other than -1 names a row.
     if check and flag_values is not None and max(flag_values) >= 0:
         raise_coords_problems(coords, shape, batch_size, *problem_rows(flag_values, coords.shape[0]))
     return ConvPlan(
         geometry=geometry, batch_size=batch_size, in_spatial_shape=shape, out_spatial_shape=shape,
         num_in=coords.shape[0], num_out=coords.shape[0], out_coords=coords,
-        fwd=fwd, bwd=None, **signal_fields(*(signal or (None,) * 3), coords.device, training))
+        fwd=fwd, bwd=None, **signal_fields(signal, coords.device, training))

@@ -102,7 +102,7 @@ def plan_from_candidates(coords, shape, out_shape, batch_size, geometry, trainin
         geometry=geometry, batch_size=batch_size, in_spatial_shape=shape,
         out_spatial_shape=out_shape, num_in=n_in, num_out=n_out,
         out_coords=unpack(out_keys), fwd=fwd_map, bwd=bwd_map,
-        **signal_fields(*(signal or (None,) * 3), coords.device, training))
+        **signal_fields(signal, coords.device, training))
 
 
 def transposed_map_torch(fwd: torch.Tensor, num_in: int) -> torch.Tensor:
@@ -154,4 +154,5 @@ def inverse_plan(paired: ConvPlan, paired_in_coords: torch.Tensor) -> ConvPlan:
         out_spatial_shape=paired.in_spatial_shape, num_in=paired.num_out,
         num_out=paired.num_in, out_coords=paired_in_coords, fwd=paired.bwd, bwd=paired.fwd,
         valid_signal_i=paired.valid_signal_o, valid_signal_o=paired.valid_signal_i,
-        valid_signal_seg=paired.valid_signal_seg, for_training=paired.for_training)
+        valid_signal_seg=paired.valid_signal_seg, for_training=paired.for_training,
+        pairs_pending=paired.pairs_pending)

@@ -5,10 +5,10 @@ the candidates and one host sync (kernels: kernels_src/plan_generative.py).
     sort         by key (equal keys: one output row; a captured         CUB (a graph replay
                  sort for small builds, rank_sort.py)                   for small builds)
     run starts   output row of each candidate (their scan), the         one launch
-                 numbers of output rows and of candidates
-    bwd map      input rows gather output rows                          one launch
-    bwd schedule (segments_triton) whose one sync also reads the output
-                 and candidate counts
+                 numbers of output rows and of candidates, read in the build's one host sync
+    bwd map      input rows gather output rows (training)               one launch
+    bwd schedule (segments_triton, no sync of its own: no pairs, its valid_kernel lengths
+                 stay on the device), queued after the sync so the host does not wait for it
     fwd map, out coords                                                 one launch
     fwd schedule (segments_triton, no sync of its own: the pair count is known)
 
@@ -17,7 +17,7 @@ pairs grouped by tap. (The order of equal keys after the sort does not matter: e
 writes its own map entry, and an output row's coordinates are its key.)
 
 All readbacks share one int64 buffer, filled with -1 once: the totals, the bwd schedule's
-slots, room for the fwd schedule's (whose rows are not known until the sync), the run starts'
+state, room for the fwd schedule's (whose rows are not known until the sync), the run starts'
 scan state.
 """
 from __future__ import annotations
@@ -142,16 +142,15 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
         sorted_keys, order = sorter.sort()
         launch_run_starts(launch, sorted_keys, rank, readback, total, state_at, sent)
         scatter = (sorted_keys, order, rank, taps)
-        if training:
+        n_out, pairs = readback[:TOTALS].tolist()  # the one host sync
+        pairs = max(pairs, 0)  # -1: no candidate at all
+        bwd_map = None
+        if training:  # queued after the sync: the host does not wait for its schedule
             bwd = torch.full((n, v), MISSING, dtype=torch.int32, device=device)
             launch_scatter(launch, *scatter, bwd, bwd, coords, total, n, *out_shape, slots, v,
                            sent, False)
-            bwd_map, _, (n_out, pairs) = plan_schedule_triton(bwd, PLAN_BLOCK_SIZES, 0, readback,
-                                                              TOTALS, layout)
-        else:
-            bwd_map = None
-            n_out, pairs = readback[:TOTALS].tolist()  # the one host sync
-        pairs = max(pairs, 0)  # -1: no candidate at all
+            bwd_map = plan_schedule_triton(bwd, PLAN_BLOCK_SIZES, 0, readback[TOTALS:fwd_at], 0,
+                                           layout, pairs_total=0)[0]
         fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=device)
         out_coords = torch.empty((n_out, 4), dtype=torch.int32, device=device)
         if pairs:
@@ -163,7 +162,7 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
     return ConvPlan(
         geometry=geometry, batch_size=batch_size, in_spatial_shape=tuple(spatial_shape),
         out_spatial_shape=out_shape, num_in=n, num_out=n_out, out_coords=out_coords, fwd=fwd_map,
-        bwd=bwd_map, **signal_fields(*(signal or (None,) * 3), device, training))
+        bwd=bwd_map, **signal_fields(signal, device, training))
 
 
 def transposed_map_triton(fwd: torch.Tensor, num_in: int) -> torch.Tensor:

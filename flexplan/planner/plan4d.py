@@ -73,7 +73,7 @@ def _submanifold_plan(coords, shape, batch_size, geometry, training) -> ConvPlan
     return ConvPlan(
         geometry=geometry, batch_size=batch_size, in_spatial_shape=shape, out_spatial_shape=shape,
         num_in=n, num_out=n, out_coords=coords, fwd=fwd, bwd=None,
-        **signal_fields(*(signal or (None,) * 3), coords.device, training))
+        **signal_fields(signal, coords.device, training))
 
 
 def _generative_plan(coords, shape, batch_size, geometry, training) -> ConvPlan:

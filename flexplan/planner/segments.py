@@ -23,7 +23,7 @@ def _use_triton(neighbor_map: torch.Tensor, backend: str) -> bool:
 def plan_schedule(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...], backend: str = "auto",
                   readback: torch.Tensor | None = None, num_flags: int = 0,
                   signal_offsets: int | None = None, layout: ScheduleLayout | None = None,
-                  pairs_total: int | None = None):
+                  pairs_total: int | None = None, defer_pairs: bool = False):
     """(GatherMap, valid_signal's triple, flags as ints or None): the whole schedule of one map.
 
     readback: None, or an int64 tensor on the map's device of num_flags + layout.readback_slots
@@ -32,11 +32,13 @@ def plan_schedule(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...], back
     own sizes, the rest -1 (the Triton path writes its sizes and state there). The Triton path
     makes one host sync in all, none when it has no flags to read and is given pairs_total
     (the number of pairs, e.g. 0 for signal_offsets 0). signal_offsets: as in valid_signal.
+    defer_pairs: the Triton path makes no sync without flags either; the pairs come with room
+    past them and their count pending (plan_schedule_triton).
     """
     signal_offsets = neighbor_map.shape[1] if signal_offsets is None else signal_offsets
     if _use_triton(neighbor_map, backend):
         return plan_schedule_triton(neighbor_map, block_sizes, signal_offsets, readback, num_flags,
-                                    layout, pairs_total)
+                                    layout, pairs_total, defer_pairs)
     return (gather_map_torch(neighbor_map, block_sizes),
             valid_signal_torch(neighbor_map, signal_offsets),
             readback[:num_flags].tolist() if num_flags else None)

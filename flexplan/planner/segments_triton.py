@@ -20,7 +20,7 @@ import torch
 from ..kernels_src import plan_segments as kernels
 from ..launch_spec import INT32, INT64, SCAN, SIZE, WORDS
 from ..launcher import cdiv, launch
-from ..plan import BlockRuns, GatherMap
+from ..plan import BlockRuns, GatherMap, PendingCount
 from .rank_sort import TorchSort, rank_sorter
 from .segments_torch import gather_map_torch, rank_words, valid_signal_torch
 
@@ -120,6 +120,12 @@ def schedule_layout(m: int, v: int, block_sizes: tuple[int, ...], signal_offsets
                           _readback_slots(levels, chunks, tiles))
 
 
+def deferred_pairs_bound(m: int, signal_offsets: int) -> int:
+    """The most pairs the offsets < signal_offsets of an [m, V] map can have: every row a
+    neighbour at each. A build that defers its pair count sizes the pairs by it."""
+    return m * signal_offsets
+
+
 def _readback_slots(levels: int, chunks: int, tiles: int) -> int:
     return levels + 1 + chunks * levels + (tiles - chunks) + 1
 
@@ -167,12 +173,15 @@ def launch_pairs(run, nmap: INT32, scan: SCAN, pair_rows: INT32, room: SIZE, seg
 def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],
                          signal_offsets: int, readback: torch.Tensor | None = None,
                          num_flags: int = 0, layout: ScheduleLayout | None = None,
-                         pairs_total: int | None = None):
+                         pairs_total: int | None = None, defer_pairs: bool = False):
     """segments.plan_schedule: (GatherMap or None without block sizes, the valid_signal triple of
     the offsets v < signal_offsets or None for 0, the flags as ints or None). layout: the
     map's schedule_layout, when the caller made it already. pairs_total: the number of pairs,
     when the caller knows it (and passes no flags): then no host sync at all, the valid_kernel
-    lengths stay on the device until a run is viewed (BlockRuns)."""
+    lengths stay on the device until a run is viewed (BlockRuns).
+    defer_pairs (without flags): no host sync either when the count is unknown; the pairs get
+    room for deferred_pairs_bound(m, signal_offsets) and the triple a fourth entry, the
+    PendingCount of the pairs (plan.ConvPlan.pairs_pending)."""
     m, v = neighbor_map.shape
     if m == 0:  # nothing to launch
         return (gather_map_torch(neighbor_map, block_sizes) if block_sizes else None,
@@ -214,7 +223,11 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     del ranks, sorted_ranks, order, counts
     if signal_offsets:  # (made before the sync: after it, the pairs' launch waits on the host)
         seg = plan_out[layout.signal_seg_at:layout.signal_seg_at + signal_offsets + 1]
-    if pairs_total is None or num_flags:
+    pending = None
+    if defer_pairs and pairs_total is None and not num_flags:
+        pending = PendingCount(readback[levels:levels + 1])  # (copied behind an event)
+        flag_values, lengths = None, None
+    elif pairs_total is None or num_flags:
         values = readback[:num_flags + levels + 1].tolist()  # the one host sync
         flag_values = values[:num_flags] if num_flags else None
         lengths, pairs_total = values[num_flags:-1], values[-1]
@@ -224,10 +237,14 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
     pairs = None
     if signal_offsets:  # launched first: the Python below then runs while the GPU writes pairs
         # Input rows, then output rows from `room` on (16-byte aligned): one allocation.
-        room = _aligned(pairs_total)
+        room = _aligned(pairs_total if pending is None
+                        else deferred_pairs_bound(m, signal_offsets))
         pair_rows = torch.empty(2 * room, dtype=torch.int32, device=device)
         launch_pairs(launch, nmap, scan, pair_rows, room, seg, m, v, signal_offsets)
-        pairs = (pair_rows[:pairs_total], pair_rows[room:room + pairs_total], seg)
+        if pending is None:
+            pairs = (pair_rows[:pairs_total], pair_rows[room:room + pairs_total], seg)
+        else:
+            pairs = (pair_rows[:room], pair_rows[room:], seg, pending)
     gmap = None
     if levels:
         if lengths is not None:

@@ -26,6 +26,7 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 
 import bench_e2e as e2e  # noqa: E402
+from flexplan import planner  # noqa: E402
 from flexplan.nn import fuse_conv_bn  # noqa: E402
 
 RESULTS = SCRIPTS / "results" / "bench_precision.md"
@@ -33,7 +34,11 @@ BASE_RUNS = (("flexplan", "fp16"), ("flexplan", "amp-fp16"), ("flexplan", "bf16"
              ("flexplan", "fp32"), ("spconv", "fp16"), ("spconv", "amp-fp16"), ("spconv", "fp32"))
 # Variants: flexplan fp16 changed one way each. flexplan-fused: for inference, the model's
 # eval-mode BatchNorms folded into their convs (flexplan.nn.fuse_conv_bn, opt-in).
-VARIANTS = {"flexplan-fused": {"fuse": True}}
+# flexplan-synced-pairs: submanifold training builds sync to learn their pair count, as before
+# they deferred it (flexplan.planner.DEFERRED_PAIRS_MAX 0 around this run's steps): the
+# in-process A/B of that change.
+VARIANTS = {"flexplan-fused": {"fuse": True},
+            "flexplan-synced-pairs": {"planner": {"DEFERRED_PAIRS_MAX": 0}}}
 # (label with the issue's bound, numerator run, denominator run): step-time ratios.
 BASE_RATIOS = (
     ("flexplan amp-fp16 / fp16 (<= 1.10)", ("flexplan", "amp-fp16"), ("flexplan", "fp16")),
@@ -45,7 +50,26 @@ BASE_RATIOS = (
 VARIANT_RATIOS = {
     "flexplan-fused": ("flexplan fused / flexplan fp16 (inference)", ("flexplan-fused", "fp16"),
                        ("flexplan", "fp16")),
+    "flexplan-synced-pairs": ("flexplan synced pairs / flexplan fp16 (training)",
+                              ("flexplan-synced-pairs", "fp16"), ("flexplan", "fp16")),
 }
+
+
+def with_settings(step, module, settings: dict):
+    """step with module's attributes set to settings during each call, restored after."""
+    if not settings:
+        return step
+
+    def run(*args, **kwargs):
+        saved = {name: getattr(module, name) for name in settings}
+        for name, value in settings.items():
+            setattr(module, name, value)
+        try:
+            return step(*args, **kwargs)
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)
+    return run
 
 
 def parse_args():
@@ -96,6 +120,7 @@ def run_cell(ctx, source, net_cls, state, phase: str, coords: str, args, errors:
             if variant.get("fuse") and phase == "infer":
                 fuse_conv_bn(net.eval())
             step = e2e.STEP_FNS[phase](net, sp, mode, ctx.device)
+            step = with_settings(step, planner, variant.get("planner", {}))
             e2e.timed(step, batches[:args.warmup], ctx.device)
         except Exception as exc:
             errors.append(f"{impl} {mode_name} {phase} {coords}: {e2e.short_error(exc)}")

@@ -20,9 +20,11 @@ from .segments_triton import deferred_pairs_bound, schedule_layout
 
 BACKENDS = ("auto", "torch", "triton")
 # The most pairs a submanifold training build sizes by their bound (segments_triton.
-# deferred_pairs_bound, 8 bytes each) rather than syncing to learn their count: 16M, 128 MiB
-# held until the plan goes (a 230k-row LiDAR level: 3.2M). A larger build syncs.
-DEFERRED_PAIRS_MAX = 16 << 20
+# deferred_pairs_bound, 8 bytes each) rather than syncing to learn their count: 4M, 32 MiB
+# held with the plan. A 230k-row LiDAR level's bound is 3.2M (26 MiB, ~3x its real pairs); a
+# larger build syncs, as the sync's cost (its own kernels' latency, ~0.1 ms) shrinks next to
+# its work while the room's memory grows.
+DEFERRED_PAIRS_MAX = 4 << 20
 
 
 def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: int,

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from .geometry import ConvGeometry
-from .graph_capture import device_constant
+from .graph_capture import capturing, device_constant
 from .kernel_configs import SCHEDULE_CHUNK
 from .launch_spec import INT32, SIZE
 
@@ -40,11 +40,12 @@ class PendingCount:
     kernels), not for the work queued since. A build that must size nothing by the count
     leaves the host's launches running ahead of the GPU. Pickles as the number itself."""
 
-    __slots__ = ("_host", "_event", "_value")
+    __slots__ = ("_host", "_event", "_device", "_value")
 
     def __init__(self, source: torch.Tensor):
         """source: a one-element integer tensor the work queued so far leaves the count in."""
-        self._host = self._event = self._value = None
+        self._event = self._value = None
+        self._device = source.device
         if source.is_cuda:
             self._host = torch.empty(1, dtype=source.dtype, pin_memory=True)
             self._host.copy_(source.reshape(1), non_blocking=True)
@@ -56,17 +57,24 @@ class PendingCount:
     @classmethod
     def known(cls, value: int) -> "PendingCount":
         count = cls.__new__(cls)
-        count._host = count._event = None
+        count._host = count._event = count._device = None
         count._value = int(value)
         return count
 
     def value(self) -> int:
-        if self._value is None:
+        # Thread-safe without a lock: the host copy and the event stay (8 bytes and an event),
+        # so a second reader waiting beside the first reads the same number.
+        value = self._value
+        if value is None:
             if self._event is not None:
+                if capturing(self._device):  # an event sync would invalidate the capture
+                    raise RuntimeError(
+                        "a plan's pair count is read by its first backward, which needs a host "
+                        "wait that CUDA graph capture forbids: run one backward over this "
+                        "plan before capturing (warm up, as torch advises for graphs)")
                 self._event.synchronize()
-            self._value = int(self._host[0])
-            self._host = self._event = None
-        return self._value
+            value = self._value = int(self._host[0])
+        return value
 
     def __reduce__(self):
         return PendingCount.known, (self.value(),)
@@ -118,10 +126,19 @@ class BlockRuns(Mapping):
     def __getitem__(self, block: int) -> torch.Tensor:
         view = self._views.get(block)
         if view is None:
-            run = self._runs[block]
-            start, length = run[0], run[1] if len(run) == 2 else int(self._buffer[run[2]])
+            if len(self._runs[block]) == 3:
+                self._read_lengths()
+            start, length = self._runs[block]
             view = self._views[block] = self._buffer[start:start + length]
         return view
+
+    def _read_lengths(self) -> None:
+        """Every run's length still on the device, in one host sync (a file write or a move
+        views them all)."""
+        pending = [(block, run) for block, run in self._runs.items() if len(run) == 3]
+        lengths = self._buffer[[run[2] for _, run in pending]].tolist()
+        for (block, run), length in zip(pending, lengths):
+            self._runs[block] = (run[0], length)
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -410,6 +427,11 @@ class ConvPlan:
                     out[f"{f.name}.valid_kernel_seg.{b}"] = value.valid_kernel_seg[b]
         return out
 
-    def __reduce__(self):  # settled: no room past the pairs crosses a process boundary
-        plan = self.settled()
+    def __reduce__(self):
+        # Settled, the pairs copied out of their room: pickle writes a view's whole storage.
+        plan = self
+        if self.pairs_pending is not None:
+            plan = self.settled()
+            plan = replace(plan, valid_signal_i=plan.valid_signal_i.clone(),
+                           valid_signal_o=plan.valid_signal_o.clone())
         return ConvPlan, tuple(getattr(plan, f.name) for f in fields(plan))

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from flexplan import ConvGeometry, build_plan
+from flexplan import plan as plan_module
 from flexplan import planner
 from flexplan.cache.format import plan_problem, read_plan, write_plan
 from flexplan.ops.conv import sparse_conv
+from flexplan.plan import PendingCount
 from flexplan.planner.segments_triton import deferred_pairs_bound
 from flexplan.workloads import random_coords
 
@@ -64,6 +66,9 @@ def test_pending_plan_crosses_boundaries_settled(device):
     unpickled = pickle.loads(pickle.dumps(plan))
     assert unpickled.pairs_pending is None
     assert unpickled.valid_signal_i.numel() == exact.valid_signal_i.numel()
+    for name in ("valid_signal_i", "valid_signal_o"):  # the room stayed behind
+        t = getattr(unpickled, name)
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
     _assert_same(unpickled, exact)
     assert plan_problem(plan.settled()) is None
     buf = io.BytesIO()
@@ -146,3 +151,68 @@ def test_training_build_makes_no_host_sync_on_gpu():
     exact = build_plan(coords, shape, 2, geometry, backend="torch")
     assert plan.num_pairs == exact.num_pairs
     _assert_same(plan, exact)
+
+
+class _SlowEvent:
+    """A CUDA event stand-in whose wait lets another thread run meanwhile."""
+
+    def __init__(self):
+        self.waits = 0
+
+    def synchronize(self):
+        import time
+
+        self.waits += 1
+        time.sleep(0.05)
+
+
+def _pending_with(event, value=42):
+    count = PendingCount.__new__(PendingCount)
+    count._host, count._event = torch.tensor([value]), event
+    count._device, count._value = torch.device("cpu"), None
+    return count
+
+
+def test_pending_count_read_by_two_threads():
+    import threading
+
+    count, got = _pending_with(_SlowEvent()), []
+    threads = [threading.Thread(target=lambda: got.append(count.value())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [42, 42] and count.value() == 42
+
+
+def test_pending_count_refuses_a_wait_under_capture(monkeypatch):
+    """The first read waits on an event, which a CUDA graph capture forbids: a clear error,
+    not an invalidated capture. Once read, the count serves captures too."""
+    event = _SlowEvent()
+    count = _pending_with(event)
+    monkeypatch.setattr(plan_module, "capturing", lambda device: True)
+    with pytest.raises(RuntimeError, match="before capturing"):
+        count.value()
+    assert event.waits == 0
+    monkeypatch.setattr(plan_module, "capturing", lambda device: False)
+    assert count.value() == 42
+    monkeypatch.setattr(plan_module, "capturing", lambda device: True)
+    assert count.value() == 42 and event.waits == 1
+
+
+def test_lengths_left_on_the_device_read_in_one_sync(device, monkeypatch):
+    """A strided training plan's schedules leave their valid_kernel lengths on the device:
+    viewing them all (a file write, a move) reads each map's in one host read."""
+    coords = _coords(160, 9, device)
+    geometry = ConvGeometry.make(3, stride=2, padding=1, submanifold=False)
+    plan = build_plan(coords, SHAPE, BATCH, geometry, backend="triton", check=False)
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real(self))
+    tensors = plan.tensors()
+    monkeypatch.undo()
+    assert len(reads) == 2  # the fwd map's lengths, the bwd map's
+    exact = build_plan(coords, SHAPE, BATCH, geometry, backend="torch").tensors()
+    assert tensors.keys() == exact.keys()
+    for name in exact:
+        assert torch.equal(tensors[name].cpu(), exact[name].cpu()), name

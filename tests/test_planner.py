@@ -286,9 +286,9 @@ def test_checked_triton_build_raises_like_check_coords(shape, batch, problem, de
     (True, True, 1), (True, False, 1), (False, True, 0), (False, False, 0)])
 def test_triton_build_syncs(monkeypatch, device, check, training, syncs):
     """Every size the host needs, and the input checks, come back in one read; a build of
-    checked coordinates needs none (its schedule's lengths stay on the device; a training
-    build's pair count is read when asked: ConvPlan.pairs_pending) and still equals the torch
-    planner's plan."""
+    coordinates checked before (check=False) needs none (its schedule's lengths stay on the
+    device; a training build's pair count is read when asked: ConvPlan.pairs_pending) and
+    still equals the torch planner's plan."""
     coords = _coords((10, 12, 9), 2, 120, seed=1, device=device)
     geometry = ConvGeometry.make(3)
     build = lambda: build_plan(coords, (10, 12, 9), 2, geometry, backend="triton", check=check,

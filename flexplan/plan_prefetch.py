@@ -41,6 +41,13 @@ PREFETCH_ENV = "FLEXPLAN_PLAN_PREFETCH"
 MAX_REQUESTS = 256
 # Sequences kept, by their first request (networks, or the branches of one, that alternate).
 MAX_RECIPES = 8
+# Build a step's strided plans before its submanifold ones. A strided build waits for the GPU
+# (its output count) and so for everything queued before it: a submanifold build queued
+# first (whose own kernels make no host sync) would add its kernels to that wait. Strided
+# plans depend only on the strided plans before them, so building them first leaves each
+# wait its own kernels, and the submanifold builds' kernels run while the host goes on to
+# the forward. False: the recorded order (for A/B runs, scripts/bench_precision.py).
+STRIDED_FIRST = True
 
 
 def mode() -> str:
@@ -156,10 +163,13 @@ def _remember(steps: _Steps) -> None:
 
 def _prefetch(steps: _Steps, x, node: tuple, recipe: list) -> None:
     """Build (or find in the cache) every plan of `recipe` over x's coordinates and the
-    coordinates its strided plans make, in the recorded order, here; the first failure
-    raises."""
+    coordinates its strided plans make, here: the strided plans first, in the recorded order,
+    then the submanifold ones (STRIDED_FIRST); the first failure raises."""
     coords_of = {(): x.coords}  # path -> coordinates (a strided entry builds them for later ones)
-    for path, geometry, training, grid, ident, key in _plan_entries(steps, x, node, recipe):
+    entries = _plan_entries(steps, x, node, recipe)
+    if STRIDED_FIRST:  # (stable: each strided entry still follows the ones it depends on)
+        entries.sort(key=lambda entry: entry[1].submanifold)
+    for path, geometry, training, grid, ident, key in entries:
         plan = _cached(coords_of[path], grid, x.batch_size, geometry, ident, training)
         if not geometry.submanifold:
             coords_of[path + (geometry,)] = plan.out_coords

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import os
 import statistics
 import sys
@@ -26,7 +27,6 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 
 import bench_e2e as e2e  # noqa: E402
-from flexplan import planner  # noqa: E402
 from flexplan.nn import fuse_conv_bn  # noqa: E402
 
 RESULTS = SCRIPTS / "results" / "bench_precision.md"
@@ -34,11 +34,14 @@ BASE_RUNS = (("flexplan", "fp16"), ("flexplan", "amp-fp16"), ("flexplan", "bf16"
              ("flexplan", "fp32"), ("spconv", "fp16"), ("spconv", "amp-fp16"), ("spconv", "fp32"))
 # Variants: flexplan fp16 changed one way each. flexplan-fused: for inference, the model's
 # eval-mode BatchNorms folded into their convs (flexplan.nn.fuse_conv_bn, opt-in).
+# In-process A/B runs: module settings changed around each of the variant's steps.
 # flexplan-synced-pairs: submanifold training builds sync to learn their pair count, as before
-# they deferred it (flexplan.planner.DEFERRED_PAIRS_MAX 0 around this run's steps): the
-# in-process A/B of that change.
+# they deferred it. flexplan-recorded-order: the step's prefetch builds its plans in the order
+# the layers ask, as before strided plans went first.
 VARIANTS = {"flexplan-fused": {"fuse": True},
-            "flexplan-synced-pairs": {"planner": {"DEFERRED_PAIRS_MAX": 0}}}
+            "flexplan-synced-pairs": {"settings": (("flexplan.planner", "DEFERRED_PAIRS_MAX", 0),)},
+            "flexplan-recorded-order": {"settings": (("flexplan.plan_prefetch", "STRIDED_FIRST",
+                                                      False),)}}
 # (label with the issue's bound, numerator run, denominator run): step-time ratios.
 BASE_RATIOS = (
     ("flexplan amp-fp16 / fp16 (<= 1.10)", ("flexplan", "amp-fp16"), ("flexplan", "fp16")),
@@ -52,22 +55,26 @@ VARIANT_RATIOS = {
                        ("flexplan", "fp16")),
     "flexplan-synced-pairs": ("flexplan synced pairs / flexplan fp16 (training)",
                               ("flexplan-synced-pairs", "fp16"), ("flexplan", "fp16")),
+    "flexplan-recorded-order": ("flexplan recorded order / flexplan fp16",
+                                ("flexplan-recorded-order", "fp16"), ("flexplan", "fp16")),
 }
 
 
-def with_settings(step, module, settings: dict):
-    """step with module's attributes set to settings during each call, restored after."""
+def with_settings(step, settings):
+    """step with each (module, attribute, value) of settings set during each call, restored
+    after."""
     if not settings:
         return step
+    targets = [(importlib.import_module(module), name, value) for module, name, value in settings]
 
     def run(*args, **kwargs):
-        saved = {name: getattr(module, name) for name in settings}
-        for name, value in settings.items():
+        saved = [(module, name, getattr(module, name)) for module, name, _ in targets]
+        for module, name, value in targets:
             setattr(module, name, value)
         try:
             return step(*args, **kwargs)
         finally:
-            for name, value in saved.items():
+            for module, name, value in saved:
                 setattr(module, name, value)
     return run
 
@@ -120,7 +127,7 @@ def run_cell(ctx, source, net_cls, state, phase: str, coords: str, args, errors:
             if variant.get("fuse") and phase == "infer":
                 fuse_conv_bn(net.eval())
             step = e2e.STEP_FNS[phase](net, sp, mode, ctx.device)
-            step = with_settings(step, planner, variant.get("planner", {}))
+            step = with_settings(step, variant.get("settings", ()))
             e2e.timed(step, batches[:args.warmup], ctx.device)
         except Exception as exc:
             errors.append(f"{impl} {mode_name} {phase} {coords}: {e2e.short_error(exc)}")

@@ -176,3 +176,26 @@ def test_failed_prefetch_warns_once_and_is_not_retried(log, monkeypatch):
         warnings.simplefilter("error")
         for seed in (4, 5, 6):
             run(net, seed, grad=False)
+
+
+def test_prefetch_builds_strided_plans_before_submanifold_ones(log, monkeypatch):
+    """Each strided build waits for the GPU (its output count): built first, it waits for its
+    own kernels, not for submanifold builds queued before it. The layers still get the plans
+    they would have got."""
+    net = network()
+    run(net, seed=1)
+    run(net, seed=2)
+    log.clear()
+    out = run(net, seed=3, backward=True)
+    kinds = [geometry.submanifold for _, geometry, _ in log]
+    assert kinds == sorted(kinds) and kinds.count(False) == 2 and kinds.count(True) == 3
+    feats, indices, grads = reference(3, monkeypatch=monkeypatch)
+    assert torch.equal(out.indices, indices)
+    torch.testing.assert_close(out.features, feats, rtol=0, atol=0)
+    for p, g in zip(net.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+    # The recorded order, where asked (the A/B switch).
+    monkeypatch.setattr(plan_prefetch, "STRIDED_FIRST", False)
+    log.clear()
+    run(net, seed=4)
+    assert [g.submanifold for _, g, _ in log] == [True, False, True, False, True]

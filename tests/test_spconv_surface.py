@@ -95,3 +95,79 @@ def test_ops_output_sizes_match_the_planner_and_spconv_formulas():
         ops.indice_maxpool  # noqa: B018
     with pytest.raises(AttributeError):
         ops.no_such_function  # noqa: B018
+
+
+# spconv 2.3's constructor parameters, in order (spconv/pytorch/conv.py): code passing them
+# positionally must mean the same thing here.
+_STRIDED = ["in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
+            "groups", "bias", "indice_key", "algo", "fp32_accum", "record_voxel_count",
+            "large_kernel_fast_algo", "name"]
+_SUBM = ["in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups",
+         "bias", "indice_key", "algo", "fp32_accum", "large_kernel_fast_algo", "name"]
+_INVERSE = ["in_channels", "out_channels", "kernel_size", "indice_key", "bias", "algo",
+            "fp32_accum", "large_kernel_fast_algo", "name"]
+_BASE = ["ndim", "in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
+         "groups", "bias", "subm", "output_padding", "transposed", "inverse", "indice_key", "algo",
+         "fp32_accum", "record_voxel_count", "act_type", "act_alpha", "act_beta",
+         "large_kernel_fast_algo", "name", "device", "dtype"]
+
+
+@pytest.mark.parametrize("names, expected", [
+    (("SparseConv1d", "SparseConv2d", "SparseConv3d", "SparseConv4d", "SparseConvTranspose1d",
+      "SparseConvTranspose2d", "SparseConvTranspose3d", "SparseConvTranspose4d"), _STRIDED),
+    (("SubMConv1d", "SubMConv2d", "SubMConv3d", "SubMConv4d"), _SUBM),
+    (("SparseInverseConv1d", "SparseInverseConv2d", "SparseInverseConv3d",
+      "SparseInverseConv4d"), _INVERSE),
+    (("SparseConvolution",), _BASE)])
+def test_conv_constructors_take_spconvs_parameters_in_order(names, expected):
+    import inspect
+
+    for name in names:
+        params = [p for p in inspect.signature(getattr(spconv, name).__init__).parameters
+                  if p not in ("self", "kwargs")]
+        assert params[:len(expected)] == expected, name
+
+
+def test_spconv_options_are_accepted(device):
+    """fp32_accum, record_voxel_count and large_kernel_fast_algo change nothing here (flexplan
+    accumulates in fp32 and picks its own kernels): the same outputs."""
+    x = tensor(3, device=device)
+    torch.manual_seed(0)
+    plain = spconv.SparseConv3d(3, 4, 3, stride=2, padding=1).double().to(device)
+    torch.manual_seed(0)
+    options = spconv.SparseConv3d(3, 4, 3, 2, 1, 1, 1, True, None, None, True, True,
+                                  True).double().to(device)
+    assert options.fp32_accum and options.record_voxel_count and options.large_kernel_fast_algo
+    torch.testing.assert_close(options(x).features, plain(x).features, rtol=0, atol=0)
+    sub = spconv.SubMConv3d(3, 4, 3, fp32_accum=False, large_kernel_fast_algo=True)
+    assert sub.fp32_accum is False and sub.large_kernel_fast_algo
+
+
+class _Activation:
+    """Stands for cumm's tv.gemm.Activation members (pybind enums with a .name)."""
+
+    def __init__(self, name):
+        self.name = name
+
+
+@pytest.mark.parametrize("act, reference", [
+    (_Activation("None_"), lambda t: t),
+    (_Activation("ReLU"), torch.relu),
+    ("Activation.Sigmoid", torch.sigmoid),
+    (_Activation("LeakyReLU"), lambda t: torch.nn.functional.leaky_relu(t, 0.25))])
+def test_fused_activation_applies_to_the_output(device, act, reference):
+    """spconv's act_type (SparseConvolution) applies its activation to the conv's output."""
+    x = tensor(4, device=device)
+    torch.manual_seed(1)
+    conv = spconv.SparseConvolution(3, 3, 4, 3, stride=2, padding=1).double().to(device)
+    torch.manual_seed(1)
+    fused = spconv.SparseConvolution(3, 3, 4, 3, stride=2, padding=1, act_type=act,
+                                     act_alpha=0.25).double().to(device)
+    out = fused(x).features
+    torch.testing.assert_close(out, reference(conv(x).features), rtol=0, atol=0)
+    out.sum().backward()  # gradients flow through the activation
+
+
+def test_unknown_activation_is_refused():
+    with pytest.raises(NotImplementedError, match="act_type"):
+        spconv.SparseConvolution(3, 3, 4, 3, act_type=_Activation("GELU"))

@@ -121,19 +121,61 @@ def strided_plan_and_record(layer, x: SparseConvTensor, training: bool | None = 
     return plan, plans, indice_dict
 
 
+def activation_name(act_type) -> str | None:
+    """spconv's fused activation (a tv.gemm.Activation, or its name) as flexplan applies it
+    after the convolution: None, "ReLU", "Sigmoid" or "LeakyReLU" (slope act_alpha)."""
+    if act_type is None:
+        return None
+    name = getattr(act_type, "name", None) or str(act_type).rsplit(".", 1)[-1]
+    if name in ("None_", "None"):
+        return None
+    if name not in ("ReLU", "Sigmoid", "LeakyReLU"):
+        raise NotImplementedError(f"act_type {act_type!r}: spconv's activations are None_, "
+                                  "ReLU, Sigmoid and LeakyReLU")
+    return name
+
+
+def apply_activation(feats: torch.Tensor, name: str | None, alpha: float) -> torch.Tensor:
+    """spconv's _apply_act: the activation activation_name named, on the output features."""
+    if name is None:
+        return feats
+    if name == "ReLU":
+        return torch.relu(feats)
+    if name == "Sigmoid":
+        return torch.sigmoid(feats)
+    return torch.nn.functional.leaky_relu(feats, alpha)
+
+
+def keep_spconv_options(layer, fp32_accum, record_voxel_count, act_type, act_alpha, act_beta,
+                        large_kernel_fast_algo) -> None:
+    """spconv's SparseConvolution options, kept as its attributes: fp32_accum (flexplan always
+    accumulates in fp32), record_voxel_count and large_kernel_fast_algo (flexplan picks its own
+    kernels) change nothing; act_type is applied to the output (apply_activation)."""
+    layer.fp32_accum, layer.record_voxel_count = fp32_accum, record_voxel_count
+    layer.large_kernel_fast_algo = large_kernel_fast_algo
+    layer.act_type, layer.act_alpha, layer.act_beta = activation_name(act_type), act_alpha, act_beta
+
+
 class SparseConvolution(_LoadsNativeLayout, SparseModule):
     """Strided, transposed or inverse sparse convolution (spconv's SparseConvolution, ndim=3).
 
     subm=True is SubMConv3d's job; groups and output_padding other than 1 / 0 are unsupported.
+    spconv's fp32_accum (flexplan always accumulates in fp32), record_voxel_count and
+    large_kernel_fast_algo are accepted and kept; act_type (with act_alpha) applies its
+    activation to the output, as spconv's fused one does.
     allow_tf32 (flexplan's addition): float32 convolutions on TF32 tensor cores.
     """
 
     def __init__(self, ndim: int, in_channels: int, out_channels: int, kernel_size=3, stride=1,
                  padding=0, dilation=1, groups=1, bias: bool = True, subm: bool = False,
                  output_padding=0, transposed: bool = False, inverse: bool = False,
-                 indice_key=None, algo=None, name=None, *, allow_tf32: bool | None = False,
-                 device=None, dtype=None):
+                 indice_key=None, algo=None, fp32_accum=None, record_voxel_count: bool = False,
+                 act_type=None, act_alpha: float = 0, act_beta: float = 0,
+                 large_kernel_fast_algo: bool = False, name=None, device=None, dtype=None, *,
+                 allow_tf32: bool | None = False):
         super().__init__(name)
+        keep_spconv_options(self, fp32_accum, record_voxel_count, act_type, act_alpha, act_beta,
+                            large_kernel_fast_algo)
         kernel_size, stride = lift(kernel_size, ndim, "kernel_size", 1), lift(stride, ndim, "stride", 1)
         padding, dilation = lift(padding, ndim, "padding", 0), lift(dilation, ndim, "dilation", 1)
         output_padding = lift(output_padding, ndim, "output_padding", 0)
@@ -174,6 +216,7 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
             plan, plans, indice_dict = self._plan_and_record(x)
         feats = sparse_conv(x.features, plan, self.conv_weight(), self.bias, self.algo,
                             self.allow_tf32)
+        feats = apply_activation(feats, self.act_type, self.act_alpha)
         return x._derived(feats, plan.out_coords, plan.out_spatial_shape, indice_dict, plans)
 
     def _plan_and_record(self, x: SparseConvTensor):
@@ -213,10 +256,14 @@ class _StridedNd(SparseConvolution):
     _NDIM, _TRANSPOSED = 3, False
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, name=None, **kwargs):
+                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
+                 record_voxel_count: bool = False, large_kernel_fast_algo: bool = False,
+                 name=None, **kwargs):
         super().__init__(self._NDIM, in_channels, out_channels, kernel_size, stride, padding,
                          dilation, groups, bias, transposed=self._TRANSPOSED,
-                         indice_key=indice_key, algo=algo, name=name, **kwargs)
+                         indice_key=indice_key, algo=algo, fp32_accum=fp32_accum,
+                         record_voxel_count=record_voxel_count,
+                         large_kernel_fast_algo=large_kernel_fast_algo, name=name, **kwargs)
 
 
 class _InverseNd(SparseConvolution):
@@ -226,9 +273,10 @@ class _InverseNd(SparseConvolution):
     _NDIM = 3
 
     def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, algo=None,
-                 name=None, **kwargs):
+                 fp32_accum=None, large_kernel_fast_algo: bool = False, name=None, **kwargs):
         super().__init__(self._NDIM, in_channels, out_channels, kernel_size, bias=bias,
-                         inverse=True, indice_key=indice_key, algo=algo, name=name, **kwargs)
+                         inverse=True, indice_key=indice_key, algo=algo, fp32_accum=fp32_accum,
+                         large_kernel_fast_algo=large_kernel_fast_algo, name=name, **kwargs)
 
 
 class SparseConv3d(_StridedNd):
@@ -277,7 +325,8 @@ class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
     ndim = 3
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, name=None, *,
+                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
+                 large_kernel_fast_algo: bool = False, name=None, *,
                  allow_tf32: bool | None = False, device=None, dtype=None):
         kernel_size = lift(kernel_size, self.ndim, "kernel_size", 1)
         dilation = lift(dilation, self.ndim, "dilation", 1)
@@ -293,6 +342,8 @@ class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
             self.weight = torch.nn.Parameter(
                 self.weight.detach().reshape(co, *kernel[:self.ndim], ci).clone())
         self.name, self.indice_key = name, indice_key
+        # spconv's: flexplan accumulates in fp32 and picks its own kernels
+        self.fp32_accum, self.large_kernel_fast_algo = fp32_accum, large_kernel_fast_algo
 
     def conv_weight(self) -> torch.Tensor:
         return op_weight(self.weight, self.geometry)

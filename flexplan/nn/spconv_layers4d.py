@@ -20,7 +20,8 @@ from ..geometry4d import ConvGeometry4d, quad
 from ..plan_provider import tensor_plan_4d
 from ..sparse_tensor import Plans
 from .sparse_conv_tensor import IndiceData, SparseConvTensor
-from .spconv_layers import SparseConvolution, _InverseNd, _record, _StridedNd, algo_name
+from .spconv_layers import (SparseConvolution, _InverseNd, _record, _StridedNd, algo_name,
+                             keep_spconv_options)
 from .spconv_pool import SparseAvgPool, SparseMaxPool, SparsePool, _PoolNd
 
 
@@ -53,10 +54,14 @@ class SparseConvolution4d(SparseConvolution):
     def __init__(self, ndim: int, in_channels: int, out_channels: int, kernel_size=3, stride=1,
                  padding=0, dilation=1, groups=1, bias: bool = True, subm: bool = False,
                  output_padding=0, transposed: bool = False, inverse: bool = False,
-                 indice_key=None, algo=None, name=None, *, allow_tf32: bool | None = False,
-                 device=None, dtype=None):
+                 indice_key=None, algo=None, fp32_accum=None, record_voxel_count: bool = False,
+                 act_type=None, act_alpha: float = 0, act_beta: float = 0,
+                 large_kernel_fast_algo: bool = False, name=None, device=None, dtype=None, *,
+                 allow_tf32: bool | None = False):
         # SparseConvolution's constructor, with 4-tuples (its own lifts to 3D): not called.
         super(SparseConvolution, self).__init__(name)
+        keep_spconv_options(self, fp32_accum, record_voxel_count, act_type, act_alpha, act_beta,
+                            large_kernel_fast_algo)
         if ndim != 4:
             raise ValueError(f"SparseConvolution4d is 4D (ndim=4), got ndim={ndim}")
         if groups != 1:
@@ -94,10 +99,12 @@ class SubMConv4d(SparseConvolution4d):
     input sites."""
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, bias=True, indice_key=None, algo=None, name=None, **kwargs):
+                 groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
+                 large_kernel_fast_algo: bool = False, name=None, **kwargs):
         super().__init__(4, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, subm=True, indice_key=indice_key, algo=algo, name=name,
-                         **kwargs)
+                         groups, bias, subm=True, indice_key=indice_key, algo=algo,
+                         fp32_accum=fp32_accum, large_kernel_fast_algo=large_kernel_fast_algo,
+                         name=name, **kwargs)
 
 
 class SparseConv4d(_StridedNd, SparseConvolution4d):

@@ -342,8 +342,7 @@ class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
             self.weight = torch.nn.Parameter(
                 self.weight.detach().reshape(co, *kernel[:self.ndim], ci).clone())
         self.name, self.indice_key = name, indice_key
-        # spconv's: flexplan accumulates in fp32 and picks its own kernels
-        self.fp32_accum, self.large_kernel_fast_algo = fp32_accum, large_kernel_fast_algo
+        keep_spconv_options(self, fp32_accum, False, None, 0, 0, large_kernel_fast_algo)
 
     def conv_weight(self) -> torch.Tensor:
         return op_weight(self.weight, self.geometry)

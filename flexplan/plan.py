@@ -17,6 +17,7 @@ from .geometry import ConvGeometry
 from .graph_capture import capturing, device_constant
 from .kernel_configs import SCHEDULE_CHUNK
 from .launch_spec import INT32, SIZE
+from .plan_tokens import register as _register_token
 
 # Bump whenever a field's meaning or layout changes: the plan cache keys on it.
 PLAN_FORMAT_VERSION = 3  # 2: submanifold plans keep the mirrored half of valid_signal
@@ -350,6 +351,10 @@ class ConvPlan:
     for_training: bool = True
     version: int = PLAN_FORMAT_VERSION
     pairs_pending: Optional[PendingCount] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        # Indexed by its forward map, for the ops torch.compile puts in graphs (plan_tokens).
+        _register_token(self)
 
     @property
     def kernel_volume(self) -> int:

@@ -46,3 +46,15 @@ def split_tile_ticket(count_ptr):
     ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
     tl.debug_barrier()
     return ticket
+
+
+@triton.jit
+def split_partials_sum(ptrs, mask, split_size, splits):
+    """The sum of a tile's S split-K partials (at ptrs, ptrs + split_size, ...) in the order
+    0..S-1, the same bits whichever split draws the last ticket and sums them; read past L1
+    (.cg: other programs wrote them, split_tile_ticket)."""
+    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for _ in range(1, splits):
+        ptrs += split_size
+        acc += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc

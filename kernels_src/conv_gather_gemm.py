@@ -27,7 +27,7 @@ The weight is [N, V, K] contiguous: the layer weight [Co, V, Ci] for the forward
 import triton
 import triton.language as tl
 
-from .conv_common import dot_acc, split_tile_ticket
+from .conv_common import dot_acc, split_partials_sum, split_tile_ticket
 
 
 # Specialized (layer constants, one binary per layer): K, N, V (K and N divisible by 16 vectorize
@@ -116,12 +116,8 @@ def conv_gather_gemm_kernel(
         tl.store(partials_ptr + pid_k * split_size + tile_offs, acc, mask=out_mask)
         ticket = split_tile_ticket(tile_counts_ptr + pid_mn)
         last = ticket == splits - 1
-        if last:  # the splits' sum, in order (the same bits whichever split finishes last)
-            ptrs = partials_ptr + tile_offs
-            acc = tl.load(ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
-            for _ in range(1, splits):
-                ptrs += split_size
-                acc += tl.load(ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+        if last:
+            acc = split_partials_sum(partials_ptr + tile_offs, out_mask, split_size, splits)
             tl.store(tile_counts_ptr + pid_mn, 0)  # ready for the next launch on this stream
     if last:
         if HAS_BIAS:

@@ -13,7 +13,7 @@ without it, partials and tile_counts are not read.
 import triton
 import triton.language as tl
 
-from .conv_common import dot_acc, split_tile_ticket
+from .conv_common import dot_acc, split_partials_sum, split_tile_ticket
 
 
 # Specialized (layer constants): CO, CI, V, S and the alignment of grad_out, src and out. Not
@@ -73,12 +73,8 @@ def conv_wgrad_kernel(
         tl.store(partials_ptr + pid_k.to(tl.int64) * split_size + out_offs, acc, mask=out_mask)
         count_ptr = tile_counts_ptr + pid_mn * V + v
         last = split_tile_ticket(count_ptr) == splits - 1
-        if last:  # the splits' sum, in order (the same bits whichever split finishes last)
-            ptrs = partials_ptr + out_offs
-            acc = tl.load(ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
-            for _ in range(1, splits):
-                ptrs += split_size
-                acc += tl.load(ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+        if last:
+            acc = split_partials_sum(partials_ptr + out_offs, out_mask, split_size, splits)
             tl.store(count_ptr, 0)  # ready for the next launch on this stream
     if last:
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)

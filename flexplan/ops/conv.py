@@ -15,12 +15,14 @@ algorithms); "explicit" multiplies its im2col blocks on the vendor matmul.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import replace
+from typing import Optional
 
 import torch
 
-from .. import plan_views
+from .. import plan_tokens, plan_views
 from ..compile_boundary import opaque
 from ..device_guard import on_device_of
 from ..graph_capture import capturing
@@ -369,32 +371,50 @@ class SparseConvFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         feats, weight = ctx.saved_tensors
         plan, algo, allow_tf32 = ctx.plan, ctx.algo, ctx.allow_tf32
-        if not plan.for_training:
-            raise RuntimeError("this convolution ran on an inference plan (built with "
-                               "training=False, e.g. under torch.no_grad), which has no backward "
-                               "parts: build the plan with training=True to differentiate")
-        co, v, ci = weight.shape
-        dtype = _dtype_name(feats.dtype, allow_tf32, feats.device)
+        _check_for_training(plan)
         grad_out = grad_out.contiguous()
         grad_feats = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            gmap, reverse = dgrad_map(plan)
-            part_algo = resolve_algo(algo, "dgrad", plan.num_in, ci, co, v, dtype)
-            grad_feats = gather_gemm(grad_out, weight, None, gmap, reverse, "dgrad", part_algo,
-                                     allow_tf32)
+            grad_feats = conv_dgrad(grad_out, weight, plan, algo, allow_tf32)
         if ctx.needs_input_grad[1]:
-            part_algo = resolve_algo(algo, "wgrad", plan.num_pairs, ci, co, v, dtype)
-            grad_weight = wgrad(grad_out, feats, plan, weight.shape, part_algo, allow_tf32,
-                                out_dtype=ctx.weight_dtype)
+            grad_weight = conv_wgrad(grad_out, feats, weight.shape, plan, algo, allow_tf32,
+                                     ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            if grad_out.is_cuda and ctx.bias_dtype == grad_out.dtype:
-                # torch's CUDA sum of 16-bit values accumulates in fp32 and rounds once: the
-                # same as an fp32 sum cast after, in one op (host time per conv backward)
-                grad_bias = grad_out.sum(0)
-            else:
-                grad_bias = grad_out.sum(
-                    0, dtype=torch_fallback.accumulator_dtype(feats.dtype)).to(ctx.bias_dtype)
+            grad_bias = bias_grad(grad_out, ctx.bias_dtype)
         return grad_feats, grad_weight, grad_bias, None, None, None, None
+
+
+def _check_for_training(plan: ConvPlan) -> None:
+    if not plan.for_training:
+        raise RuntimeError("this convolution ran on an inference plan (built with "
+                           "training=False, e.g. under torch.no_grad), which has no backward "
+                           "parts: build the plan with training=True to differentiate")
+
+
+def conv_dgrad(grad_out, weight, plan: ConvPlan, algo: str, allow_tf32: bool) -> torch.Tensor:
+    """Grad-input [N_in, Ci] of grad_out [N_out, Co] (contiguous), weight [Co, V, Ci]."""
+    co, v, ci = weight.shape
+    dtype = _dtype_name(grad_out.dtype, allow_tf32, grad_out.device)
+    gmap, reverse = dgrad_map(plan)
+    part_algo = resolve_algo(algo, "dgrad", plan.num_in, ci, co, v, dtype)
+    return gather_gemm(grad_out, weight, None, gmap, reverse, "dgrad", part_algo, allow_tf32)
+
+
+def conv_wgrad(grad_out, feats, weight_shape, plan: ConvPlan, algo: str, allow_tf32: bool,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """Grad-weight [Co, V, Ci] in out_dtype of grad_out [N_out, Co] (contiguous) and feats."""
+    co, v, ci = weight_shape
+    dtype = _dtype_name(feats.dtype, allow_tf32, feats.device)
+    part_algo = resolve_algo(algo, "wgrad", plan.num_pairs, ci, co, v, dtype)
+    return wgrad(grad_out, feats, plan, weight_shape, part_algo, allow_tf32, out_dtype=out_dtype)
+
+
+def bias_grad(grad_out, bias_dtype: torch.dtype) -> torch.Tensor:
+    if grad_out.is_cuda and bias_dtype == grad_out.dtype:
+        # torch's CUDA sum of 16-bit values accumulates in fp32 and rounds once: the same as
+        # an fp32 sum cast after, in one op (host time per conv backward)
+        return grad_out.sum(0)
+    return grad_out.sum(0, dtype=torch_fallback.accumulator_dtype(grad_out.dtype)).to(bias_dtype)
 
 
 def _check(feats, plan, weight, bias, algo, cast: torch.dtype | None = None):
@@ -451,7 +471,6 @@ def _autocast_dtype(feats) -> torch.dtype | None:
     return dtype if dtype in (torch.float16, torch.bfloat16) else None
 
 
-@opaque
 def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
                 bias: torch.Tensor | None = None, algo: str = AUTO,
                 allow_tf32: bool | None = False) -> torch.Tensor:
@@ -471,6 +490,13 @@ def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
     and bias are cast to the autocast dtype (differentiably: an fp32 master weight gets an fp32
     gradient) and the output is in that dtype. Outside autocast, dtypes must match.
     """
+    if torch.compiler.is_compiling():  # the graph's op (below), not a graph break
+        return _graph_sparse_conv(feats, plan, weight, bias, algo, allow_tf32)
+    return _eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32)
+
+
+@opaque
+def _eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32):
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cudnn.allow_tf32
     cast = _autocast_dtype(feats)
@@ -504,3 +530,129 @@ def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
                                             bool(allow_tf32), cast)
         finally:
             torch.set_autocast_enabled(device_type, True)
+
+
+# ---------------------------------------------------------------- torch.compile
+# Under torch.compile the convolution is the custom op flexplan::sparse_conv (its backward two
+# more: _dgrad, _wgrad), so a compiled network's graph runs through its layers instead of
+# breaking at each; the plan travels as its token (plan_tokens: the fwd map, whose rows the
+# fake implementations read). Eager calls never go through the dispatcher (host time per call).
+
+def _graph_sparse_conv(feats, plan, weight, bias, algo, allow_tf32):
+    """sparse_conv as torch.compile traces it: the features cast under autocast in the graph,
+    then the op (which casts weight and bias itself, as SparseConvFunction does, so that fp32
+    master weights get their gradients from the fp32 sums)."""
+    if allow_tf32 is None:
+        allow_tf32 = torch.backends.cudnn.allow_tf32
+    cast = _autocast_dtype(feats)
+    if cast is not None:
+        feats = feats.to(cast)
+    return torch.ops.flexplan.sparse_conv(feats, weight, bias, plan_tokens.token(plan), algo,
+                                          bool(allow_tf32), _CAST_NAMES[cast])[0]
+
+
+# The autocast dtype as the ops take it (a string: "" for none).
+_CAST_NAMES = {None: "", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_CASTS = {name: dtype for dtype, name in _CAST_NAMES.items()}
+# The graphs' ops launch kernels over a plan found from Python: never inside a CUDA graph that
+# torch.compile(mode="reduce-overhead") records (its replays would skip the lookup).
+GRAPH_OP_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@contextlib.contextmanager
+def op_context(tensor):
+    """Where a graph's op runs its eager implementation: on tensor's device, autocast off
+    (the graph cast the inputs; the op's own torch ops must not cast again)."""
+    with on_device_of(tensor), torch.autocast(tensor.device.type, enabled=False):
+        yield
+
+
+def _op_weight(weight, bias, cast: str):
+    """The [Co, V, Ci] weight and the bias the kernels read, in the cast dtype if any."""
+    co, ci = weight.shape[0], weight.shape[-1]
+    dtype = _CASTS[cast]
+    w = weight.reshape(co, -1, ci)
+    if dtype is not None:
+        w = w.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    return w.contiguous(), None if bias is None else bias.contiguous()
+
+
+@torch.library.custom_op("flexplan::sparse_conv", mutates_args=(), tags=GRAPH_OP_TAGS)
+def _conv_op(feats: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+             plan_token: torch.Tensor, algo: str, allow_tf32: bool,
+             cast: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, the plan's keeper for the backward: plan_tokens.keeper). cast: the autocast
+    dtype's name ("" for none) weight and bias are cast to."""
+    plan = plan_tokens.plan_of(plan_token)
+    _check(feats, plan, weight, bias, algo, _CASTS[cast])
+    with op_context(feats):
+        w, b = _op_weight(weight, bias, cast)
+        out = conv_forward(feats.contiguous(), w, b, plan, algo, allow_tf32)
+    return out, plan_tokens.keeper(plan, feats.device)
+
+
+@_conv_op.register_fake
+def _(feats, weight, bias, plan_token, algo, allow_tf32, cast):
+    return (feats.new_empty((plan_token.shape[0], weight.shape[0])),
+            feats.new_empty((1,), dtype=torch.uint8))
+
+
+@torch.library.custom_op("flexplan::sparse_conv_dgrad", mutates_args=(), tags=GRAPH_OP_TAGS)
+def _dgrad_op(grad_out: torch.Tensor, feats: torch.Tensor, weight: torch.Tensor,
+              plan_keeper: torch.Tensor, algo: str, allow_tf32: bool,
+              cast: str) -> torch.Tensor:
+    plan = plan_tokens.kept_plan(plan_keeper)
+    _check_for_training(plan)
+    with op_context(grad_out):
+        w, _ = _op_weight(weight, None, cast)
+        return conv_dgrad(grad_out.contiguous(), w, plan, algo, allow_tf32)
+
+
+@_dgrad_op.register_fake
+def _(grad_out, feats, weight, plan_keeper, algo, allow_tf32, cast):
+    return feats.new_empty(feats.shape)
+
+
+@torch.library.custom_op("flexplan::sparse_conv_wgrad", mutates_args=(), tags=GRAPH_OP_TAGS)
+def _wgrad_op(grad_out: torch.Tensor, feats: torch.Tensor, weight: torch.Tensor,
+              plan_keeper: torch.Tensor, algo: str, allow_tf32: bool) -> torch.Tensor:
+    """Grad-weight in weight's own dtype (an fp32 master weight's, from the fp32 sums)."""
+    plan = plan_tokens.kept_plan(plan_keeper)
+    _check_for_training(plan)
+    co, ci = weight.shape[0], weight.shape[-1]
+    with op_context(grad_out):
+        grad = conv_wgrad(grad_out.contiguous(), feats.contiguous(),
+                          (co, plan.kernel_volume, ci), plan, algo, allow_tf32, weight.dtype)
+    return grad.reshape(weight.shape)
+
+
+@_wgrad_op.register_fake
+def _(grad_out, feats, weight, plan_keeper, algo, allow_tf32):
+    return weight.new_empty(weight.shape)
+
+
+def _conv_op_setup(ctx, inputs, output):
+    feats, weight, bias, plan_token, algo, allow_tf32, cast = inputs
+    ctx.save_for_backward(feats, weight, output[1])
+    ctx.algo, ctx.allow_tf32, ctx.cast = algo, allow_tf32, cast
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _conv_op_backward(ctx, grad_out, grad_keeper):
+    feats, weight, keeper = ctx.saved_tensors
+    grad_feats = grad_weight = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_feats = torch.ops.flexplan.sparse_conv_dgrad(grad_out, feats, weight, keeper,
+                                                          ctx.algo, ctx.allow_tf32, ctx.cast)
+    if ctx.needs_input_grad[1]:
+        grad_weight = torch.ops.flexplan.sparse_conv_wgrad(grad_out, feats, weight, keeper,
+                                                           ctx.algo, ctx.allow_tf32)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        # (the sums in fp32, rounded once to the bias's own dtype: fp32 for a master bias)
+        grad_bias = grad_out.sum(0, dtype=torch_fallback.accumulator_dtype(grad_out.dtype)).to(
+            ctx.bias_dtype)
+    return grad_feats, grad_weight, grad_bias, None, None, None, None
+
+
+_conv_op.register_autograd(_conv_op_backward, setup_context=_conv_op_setup)

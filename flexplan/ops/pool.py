@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import plan_views
+from .. import plan_tokens, plan_views
 from ..compile_boundary import opaque
 from ..device_guard import on_device_of
 from ..kernels_src.sparse_pool import sparse_pool_bwd_kernel, sparse_pool_fwd_kernel
@@ -23,6 +23,7 @@ from ..launch_spec import FEATURE, FLOAT32, INT32, SIZE
 from ..launcher import launch
 from ..plan import ConvPlan, kernels_run_on
 from . import torch_fallback
+from .conv import GRAPH_OP_TAGS, op_context
 
 POOL_MODES = ("max", "avg")
 # One launch shape for both directions: rows x channels tiles, the taps looped in the kernel.
@@ -56,23 +57,42 @@ def launch_pool_backward(run, grad_out: FEATURE, bmap: INT32, arg: INT32, count:
         channels, V=volume, IS_MAX=mode == "max", FP64=dtype == torch.float64, **POOL_LAUNCH)
 
 
+def pool_forward(feats: torch.Tensor, plan: ConvPlan, mode: str, zero_floor: bool,
+                 write_arg: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [N_out, C], arg, count): write_arg: also what the backward reads, the winner of
+    each output and channel (max: arg) or each output's count (avg: count); else those are
+    one-element placeholders. feats contiguous."""
+    n_out, channels = plan.num_out, feats.shape[1]
+    out = feats.new_empty((n_out, channels))
+    arg = torch.empty((n_out, channels) if write_arg and mode == "max" else (1,),
+                      dtype=torch.int32, device=feats.device)
+    count = torch.empty((n_out,) if write_arg and mode == "avg" else (1,),
+                        dtype=torch.float32, device=feats.device)
+    if n_out and channels:
+        # (the kernels index the maps as [rows, V] rows: contiguous)
+        launch_pool_forward(launch, feats, plan.fwd.neighbor_map.contiguous(), out, arg, count,
+                            n_out, channels, mode, plan.geometry.volume, write_arg, feats.dtype,
+                            zero_floor)
+    return out, arg, count
+
+
+def pool_backward(grad_out: torch.Tensor, arg: torch.Tensor, count: torch.Tensor,
+                  plan: ConvPlan, mode: str, num_in: int) -> torch.Tensor:
+    """grad_in [num_in, C] of grad_out [N_out, C] (contiguous), through the backward map."""
+    channels = grad_out.shape[1]
+    bmap = backward_map(plan)
+    grad_in = grad_out.new_empty((num_in, channels))
+    if num_in and channels:
+        launch_pool_backward(launch, grad_out, bmap, arg, count, grad_in, num_in, channels,
+                             mode, plan.geometry.volume, grad_out.dtype)
+    return grad_in
+
+
 class SparsePoolFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, feats: torch.Tensor, plan: ConvPlan, mode: str, zero_floor: bool):
-        n_out, channels = plan.num_out, feats.shape[1]
-        volume = plan.geometry.volume
-        out = feats.new_empty((n_out, channels))
-        # What the backward needs: the winner of each output and channel (max) or each output's
-        # count (avg); written only when a gradient will be asked for.
-        write_arg = ctx.needs_input_grad[0]
-        arg = torch.empty((n_out, channels) if write_arg and mode == "max" else (1,),
-                          dtype=torch.int32, device=feats.device)
-        count = torch.empty((n_out,) if write_arg and mode == "avg" else (1,),
-                            dtype=torch.float32, device=feats.device)
-        if n_out and channels:
-            # (the kernels index the maps as [rows, V] rows: contiguous)
-            launch_pool_forward(launch, feats, plan.fwd.neighbor_map.contiguous(), out, arg, count,
-                                n_out, channels, mode, volume, write_arg, feats.dtype, zero_floor)
+        # (what the backward needs is written only when a gradient will be asked for)
+        out, arg, count = pool_forward(feats, plan, mode, zero_floor, ctx.needs_input_grad[0])
         ctx.plan, ctx.mode, ctx.num_in = plan, mode, feats.shape[0]
         ctx.save_for_backward(arg, count)
         return out
@@ -80,16 +100,9 @@ class SparsePoolFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # a kernel: no graph for second derivatives
     def backward(ctx, grad_out):
-        plan, mode = ctx.plan, ctx.mode
         arg, count = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        channels = grad_out.shape[1]
-        bmap = backward_map(plan)
-        grad_in = grad_out.new_empty((ctx.num_in, channels))
-        if ctx.num_in and channels:
-            launch_pool_backward(launch, grad_out, bmap, arg, count, grad_in, ctx.num_in, channels,
-                                 mode, plan.geometry.volume, grad_out.dtype)
-        return grad_in, None, None, None
+        return (pool_backward(grad_out.contiguous(), arg, count, ctx.plan, ctx.mode, ctx.num_in),
+                None, None, None)
 
 
 def backward_map(plan: ConvPlan) -> torch.Tensor:
@@ -126,12 +139,18 @@ def _check(feats, plan, mode):
         raise ValueError("pooling takes a strided or submanifold plan, not a transposed one")
 
 
-@opaque
 def sparse_pool(feats: torch.Tensor, plan: ConvPlan, mode: str = "max",
                 zero_floor: bool = False) -> torch.Tensor:
     """Pool feats [N_in, C] over the windows of `plan` (a plan of the pool's kernel, stride,
     padding and dilation); returns [N_out, C] in feats' dtype. mode: "max" or "avg".
     zero_floor (max): outputs max(0, window max), spconv's SparseMaxPool."""
+    if torch.compiler.is_compiling():  # the graph's op (below), not a graph break
+        return _graph_sparse_pool(feats, plan, mode, zero_floor)
+    return _eager_sparse_pool(feats, plan, mode, zero_floor)
+
+
+@opaque
+def _eager_sparse_pool(feats, plan, mode, zero_floor):
     _check(feats, plan, mode)
     if not kernels_run_on(feats):  # CPU tensors and compiled kernels: torch alone
         return torch_fallback.pool(feats, plan.fwd.neighbor_map, mode, bool(zero_floor))
@@ -162,3 +181,68 @@ def global_pool(feats: torch.Tensor, batch_index: torch.Tensor, batch_size: int,
     # include_self=False: an entry's result is its rows' alone; empty entries keep the zeros.
     return out.scatter_reduce(0, index, feats, "amax" if mode == "max" else "mean",
                               include_self=False)
+
+
+# ---------------------------------------------------------------- torch.compile
+# As flexplan::sparse_conv (ops/conv.py): under torch.compile the pool is the custom op
+# flexplan::sparse_pool (backward: _backward), the plan passed as its token.
+
+def _graph_sparse_pool(feats, plan, mode, zero_floor):
+    token = plan_tokens.token(plan)
+    if not kernels_run_on(feats):  # torch alone: traced as it is
+        _check(feats, plan, mode)
+        return torch_fallback.pool(feats, token, mode, bool(zero_floor))
+    write_arg = torch.is_grad_enabled() and feats.requires_grad
+    return torch.ops.flexplan.sparse_pool(feats, token, mode, bool(zero_floor), write_arg)[0]
+
+
+@torch.library.custom_op("flexplan::sparse_pool", mutates_args=(), tags=GRAPH_OP_TAGS)
+def _pool_op(feats: torch.Tensor, plan_token: torch.Tensor, mode: str, zero_floor: bool,
+             write_arg: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output, arg, count, the plan's keeper for the backward: plan_tokens.keeper)."""
+    plan = plan_tokens.plan_of(plan_token)
+    _check(feats, plan, mode)
+    with op_context(feats):
+        out, arg, count = pool_forward(feats.contiguous(), plan, mode, zero_floor, write_arg)
+    return out, arg, count, plan_tokens.keeper(plan, feats.device)
+
+
+@_pool_op.register_fake
+def _(feats, plan_token, mode, zero_floor, write_arg):
+    n_out, channels = plan_token.shape[0], feats.shape[1]
+    arg = feats.new_empty((n_out, channels) if write_arg and mode == "max" else (1,),
+                          dtype=torch.int32)
+    count = feats.new_empty((n_out,) if write_arg and mode == "avg" else (1,),
+                            dtype=torch.float32)
+    return (feats.new_empty((n_out, channels)), arg, count,
+            feats.new_empty((1,), dtype=torch.uint8))
+
+
+@torch.library.custom_op("flexplan::sparse_pool_backward", mutates_args=(), tags=GRAPH_OP_TAGS)
+def _pool_backward_op(grad_out: torch.Tensor, arg: torch.Tensor, count: torch.Tensor,
+                      plan_keeper: torch.Tensor, mode: str, num_in: int) -> torch.Tensor:
+    plan = plan_tokens.kept_plan(plan_keeper)
+    with op_context(grad_out):
+        return pool_backward(grad_out.contiguous(), arg, count, plan, mode, num_in)
+
+
+@_pool_backward_op.register_fake
+def _(grad_out, arg, count, plan_keeper, mode, num_in):
+    return grad_out.new_empty((num_in, grad_out.shape[1]))
+
+
+def _pool_op_setup(ctx, inputs, output):
+    feats, plan_token, mode, zero_floor, write_arg = inputs
+    ctx.save_for_backward(output[1], output[2], output[3])
+    ctx.mode, ctx.num_in = mode, feats.shape[0]
+
+
+def _pool_op_backward(ctx, grad_out, grad_arg, grad_count, grad_keeper):
+    arg, count, keeper = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None, None
+    return (torch.ops.flexplan.sparse_pool_backward(grad_out, arg, count, keeper, ctx.mode,
+                                                    ctx.num_in), None, None, None, None)
+
+
+_pool_op.register_autograd(_pool_op_backward, setup_context=_pool_op_setup)

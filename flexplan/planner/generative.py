@@ -131,6 +131,7 @@ def bwd_from_fwd(plan: ConvPlan) -> ConvPlan:
     return replace(plan, bwd=bwd_map)
 
 
+@opaque  # a plan is made (and indexed: plan_tokens) outside torch.compile's graphs
 def inverse_plan(paired: ConvPlan, paired_in_coords: torch.Tensor) -> ConvPlan:
     """Plan of the inverse of a strided/transposed convolution (spconv's SparseInverseConv3d).
 

@@ -41,7 +41,13 @@ BASE_RUNS = (("flexplan", "fp16"), ("flexplan", "amp-fp16"), ("flexplan", "bf16"
 VARIANTS = {"flexplan-fused": {"fuse": True},
             "flexplan-synced-pairs": {"settings": (("flexplan.planner", "DEFERRED_PAIRS_MAX", 0),)},
             "flexplan-recorded-order": {"settings": (("flexplan.plan_prefetch", "STRIDED_FIRST",
-                                                      False),)}}
+                                                      False),)},
+            # without what torch.compile's custom ops add to eager calls: plans indexed by
+            # their token (plan_tokens), the conv's is_compiling branch
+            "flexplan-no-graph-ops": {"settings": (
+                ("flexplan.plan", "_register_token", lambda plan: None),
+                ("flexplan.nn.spconv_layers", "sparse_conv",
+                 importlib.import_module("flexplan.ops.conv")._eager_sparse_conv))}}
 # (label with the bound, numerator run, denominator run): step-time ratios.
 BASE_RATIOS = (
     ("flexplan amp-fp16 / fp16 (<= 1.10)", ("flexplan", "amp-fp16"), ("flexplan", "fp16")),
@@ -57,6 +63,8 @@ VARIANT_RATIOS = {
                               ("flexplan-synced-pairs", "fp16"), ("flexplan", "fp16")),
     "flexplan-recorded-order": ("flexplan recorded order / flexplan fp16",
                                 ("flexplan-recorded-order", "fp16"), ("flexplan", "fp16")),
+    "flexplan-no-graph-ops": ("flexplan without graph-op costs / flexplan fp16",
+                              ("flexplan-no-graph-ops", "fp16"), ("flexplan", "fp16")),
 }
 
 

@@ -44,6 +44,9 @@ VARIANTS = {"flexplan-fused": {"fuse": True},
                                                       False),)},
             # without what torch.compile's custom ops add to eager calls: plans indexed by
             # their token (plan_tokens), the conv's is_compiling branch
+            # inference inverse convs over scheduled bwd maps (masked kernels), as before
+            "flexplan-scheduled-inverse": {"settings": (
+                ("flexplan.planner.generative", "SCHEDULE_INVERSE_MAPS", True),)},
             "flexplan-no-graph-ops": {"settings": (
                 ("flexplan.plan", "_register_token", lambda plan: None),
                 ("flexplan.nn.spconv_layers", "sparse_conv",
@@ -63,6 +66,8 @@ VARIANT_RATIOS = {
                               ("flexplan-synced-pairs", "fp16"), ("flexplan", "fp16")),
     "flexplan-recorded-order": ("flexplan recorded order / flexplan fp16",
                                 ("flexplan-recorded-order", "fp16"), ("flexplan", "fp16")),
+    "flexplan-scheduled-inverse": ("flexplan scheduled inverse maps / flexplan fp16",
+                                   ("flexplan-scheduled-inverse", "fp16"), ("flexplan", "fp16")),
     "flexplan-no-graph-ops": ("flexplan without graph-op costs / flexplan fp16",
                               ("flexplan-no-graph-ops", "fp16"), ("flexplan", "fp16")),
 }

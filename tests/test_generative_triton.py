@@ -109,10 +109,17 @@ def test_inference_plans(case, device):
             assert torch.equal(plan.fwd.valid_kernel[block], full.fwd.valid_kernel[block])
         inv, inv_full = inverse_plan(plan, coords), inverse_plan(full, coords)
         assert torch.equal(inv.fwd.neighbor_map, inv_full.fwd.neighbor_map)
-        assert torch.equal(inv.fwd.sorted_idx, inv_full.fwd.sorted_idx)
+        # (the inference plan's inverse map is unscheduled: rows in their own order, no blocks;
+        # planner.generative.SCHEDULE_INVERSE_MAPS)
+        assert torch.equal(inv.fwd.sorted_idx.long(), torch.arange(inv.num_out, device=device))
+        assert not inv.fwd.block_sizes
         feats = torch.randn(coords.shape[0], 2, dtype=torch.float64, device=device)
         weight = torch.randn(3, *geom.kernel_size, 2, dtype=torch.float64, device=device)
         torch.testing.assert_close(sparse_conv(feats, plan, weight), sparse_conv(feats, full, weight))
+        out_feats = torch.randn(plan.num_out, 3, dtype=torch.float64, device=device)
+        inv_weight = torch.randn(2, *geom.kernel_size, 3, dtype=torch.float64, device=device)
+        torch.testing.assert_close(sparse_conv(out_feats, inv, inv_weight),
+                                   sparse_conv(out_feats, inv_full, inv_weight))
         with pytest.raises(RuntimeError, match="inference plan"):
             sparse_conv(feats.requires_grad_(True), plan, weight).sum().backward()
 
@@ -176,3 +183,43 @@ def test_inverse_conv_makes_an_inference_plans_bwd_map_once(device, monkeypatch)
     ref = net(spconv.SparseConvTensor(feats, coords, (9, 8, 7), 2)).features  # a training plan
     for out in outs:
         torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("schedule", [False, True])
+@pytest.mark.parametrize("algo", ["auto", "masked", "masked_splitk"])
+def test_inference_inverse_conv_over_an_unscheduled_map(device, monkeypatch, tmp_path,
+                                                        schedule, algo):
+    """An inference plan's inverse conv reads a bwd map made without the masked schedule
+    (planner.generative.SCHEDULE_INVERSE_MAPS False, the default): the implicit kernel then
+    runs, whatever masked algorithm was asked, and gives the training plan's result; with the
+    schedule (True) as before. A refined plan holding such a map saves and loads."""
+    import flexplan.nn.spconv as spconv
+    from flexplan import cached_plan, load_plans, save_plans
+    from flexplan.planner import generative
+
+    monkeypatch.setattr(generative, "SCHEDULE_INVERSE_MAPS", schedule)
+    # (no step prefetch: it would hand these inference layers the training plans other cases'
+    # steps recorded, which serve inference too)
+    monkeypatch.setenv("FLEXPLAN_PLAN_PREFETCH", "0")
+    # (coordinates of their own per case: no plan cached by another case)
+    seed = 13 + 2 * ("auto", "masked", "masked_splitk").index(algo) + schedule
+    coords = random_coords(160, (9, 8, 7), 2, generator=torch.Generator().manual_seed(seed))
+    coords = coords.to(device)
+    net = spconv.SparseSequential(spconv.SparseConv3d(3, 4, 3, 2, 1, indice_key="q"),
+                                  spconv.SparseInverseConv3d(4, 3, 3, indice_key="q", algo=algo))
+    net = net.double().to(device)
+    feats = torch.randn(coords.shape[0], 3, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        x = net[0](spconv.SparseConvTensor(feats, coords.clone(), (9, 8, 7), 2))
+        out = net[1](x).features
+        inverse = x.find_indice_pair("q").inverse_plan
+    assert bool(inverse.fwd.block_sizes) == schedule
+    ref = net(spconv.SparseConvTensor(feats, coords, (9, 8, 7), 2)).features  # a training plan
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    # the cache now hands out the paired plan with the bwd map its inverse made
+    refined = cached_plan(coords, (9, 8, 7), 2, net[0].geometry, training=False)
+    assert refined.bwd is not None and bool(refined.bwd.block_sizes) == schedule
+    keys = save_plans(tmp_path, [refined])
+    loaded = load_plans(tmp_path, device)
+    assert keys and all(torch.equal(loaded[key].bwd.neighbor_map, refined.bwd.neighbor_map)
+                        for key in keys)

@@ -182,6 +182,10 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
         return torch_fallback.gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
     if algo == "explicit":
         return _explicit_gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
+    if not gmap.valid_kernel and algo.startswith("masked"):
+        # a map without a schedule (an inference plan's inverse, planner.generative): the
+        # implicit kernel over every offset, split as asked
+        algo = "implicit" + algo.removeprefix("masked")
     out = src.new_empty((m, n))
     cfg, masked, map_t, chunks, valid_kernel, valid_kernel_seg, dtype, hip = _kept_launch(
         gmap, (part, algo, k, n, v, src.dtype, allow_tf32), src.device,

@@ -22,7 +22,7 @@ from ..plan import MISSING, ConvPlan, signal_fields
 from .keys import pack_coords, unpack_keys
 from .offsets import kernel_offsets
 from .generative_triton import transposed_map_triton
-from .segments import gather_map, plan_schedule
+from .segments import gather_map, plan_schedule, unscheduled_map
 
 
 def output_spatial_shape(spatial_shape, geometry: ConvGeometry) -> tuple[int, int, int]:
@@ -116,18 +116,31 @@ def transposed_map_torch(fwd: torch.Tensor, num_in: int) -> torch.Tensor:
     return bwd[:num_in]
 
 
+# Whether bwd_from_fwd schedules the map it makes (Gray-code order and the masked kernels'
+# per-block offsets). False: the map keeps its rows in their own order with no schedule, and the
+# inverse conv that reads it runs the implicit kernel (all offsets, ops/conv.py): an inference
+# step (the one place such maps are made) then skips a sort and three launches per inverse conv,
+# host time that exceeds what the GPU saves with masked kernels there (measured:
+# scripts/results/bench_precision.md, session 37). True: as before (for A/B runs).
+SCHEDULE_INVERSE_MAPS = False
+
+
 @opaque
 def bwd_from_fwd(plan: ConvPlan) -> ConvPlan:
     """The plan with its bwd map (input rows gather output rows) made from the fwd map, for an
-    inference plan of a strided / transposed conv whose inverse conv needs it: one launch and
-    the map's schedule on a GPU, no host sync (an inference plan keeps no pairs)."""
+    inference plan of a strided / transposed conv whose inverse conv needs it: one launch (and,
+    with SCHEDULE_INVERSE_MAPS, the map's schedule) on a GPU, no host sync (an inference plan
+    keeps no pairs)."""
     fwd = plan.fwd.neighbor_map
     with on_device_of(fwd):  # (its launches: on the plan's GPU)
         if fwd.is_cuda:
             bwd = transposed_map_triton(fwd, plan.num_in)
         else:
             bwd = transposed_map_torch(fwd, plan.num_in)
-        bwd_map, _, _ = plan_schedule(bwd, PLAN_BLOCK_SIZES, signal_offsets=0, pairs_total=0)
+        if SCHEDULE_INVERSE_MAPS:
+            bwd_map, _, _ = plan_schedule(bwd, PLAN_BLOCK_SIZES, signal_offsets=0, pairs_total=0)
+        else:
+            bwd_map = unscheduled_map(bwd)
     return replace(plan, bwd=bwd_map)
 
 

@@ -44,6 +44,13 @@ def plan_schedule(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...], back
             readback[:num_flags].tolist() if num_flags else None)
 
 
+def unscheduled_map(neighbor_map: torch.Tensor) -> GatherMap:
+    """A gather map with its rows in their own order and no masked schedule (no block sizes):
+    what the implicit kernels need, without the schedule's sort and launches."""
+    rows = torch.arange(neighbor_map.shape[0], dtype=torch.int32, device=neighbor_map.device)
+    return GatherMap(neighbor_map, rows, {}, {})
+
+
 def gather_map(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],
                backend: str = "auto") -> GatherMap:
     """Schedule the masked kernels for one neighbour map.

@@ -47,6 +47,9 @@ VARIANTS = {"flexplan-fused": {"fuse": True},
             # inference inverse convs over scheduled bwd maps (masked kernels), as before
             "flexplan-scheduled-inverse": {"settings": (
                 ("flexplan.planner.generative", "SCHEDULE_INVERSE_MAPS", True),)},
+            # submanifold inference plans without the masked schedule (implicit kernels)
+            "flexplan-unscheduled-subm": {"settings": (
+                ("flexplan.planner", "SCHEDULE_INFERENCE_SUBM", False),)},
             "flexplan-no-graph-ops": {"settings": (
                 ("flexplan.plan", "_register_token", lambda plan: None),
                 ("flexplan.nn.spconv_layers", "sparse_conv",
@@ -68,6 +71,8 @@ VARIANT_RATIOS = {
                                 ("flexplan-recorded-order", "fp16"), ("flexplan", "fp16")),
     "flexplan-scheduled-inverse": ("flexplan scheduled inverse maps / flexplan fp16",
                                    ("flexplan-scheduled-inverse", "fp16"), ("flexplan", "fp16")),
+    "flexplan-unscheduled-subm": ("flexplan unscheduled subm / flexplan fp16",
+                                  ("flexplan-unscheduled-subm", "fp16"), ("flexplan", "fp16")),
     "flexplan-no-graph-ops": ("flexplan without graph-op costs / flexplan fp16",
                               ("flexplan-no-graph-ops", "fp16"), ("flexplan", "fp16")),
 }

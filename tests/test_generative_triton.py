@@ -223,3 +223,30 @@ def test_inference_inverse_conv_over_an_unscheduled_map(device, monkeypatch, tmp
     loaded = load_plans(tmp_path, device)
     assert keys and all(torch.equal(loaded[key].bwd.neighbor_map, refined.bwd.neighbor_map)
                         for key in keys)
+
+
+def test_unscheduled_submanifold_inference_plans(device, monkeypatch):
+    """Submanifold inference builds without the masked schedule (planner.SCHEDULE_INFERENCE_SUBM
+    False): maps with their rows in their own order and no blocks, convs through the implicit
+    kernel, the same outputs as over training plans."""
+    import flexplan.nn.spconv as spconv
+    import flexplan.planner as planner
+
+    monkeypatch.setattr(planner, "SCHEDULE_INFERENCE_SUBM", False)
+    monkeypatch.setenv("FLEXPLAN_PLAN_PREFETCH", "0")
+    coords = random_coords(250, (12, 11, 10), 2, generator=torch.Generator().manual_seed(20))
+    coords = coords.to(device)
+    net = spconv.SparseSequential(
+        spconv.SubMConv3d(3, 4, 3, indice_key="s1"), spconv.SparseConv3d(4, 5, 3, 2, 1, indice_key="d"),
+        spconv.SubMConv3d(5, 5, 3, indice_key="s2"), spconv.SparseInverseConv3d(5, 3, 3, indice_key="d"),
+        spconv.SubMConv3d(3, 2, 3, indice_key="s1")).double().to(device)
+    feats = torch.randn(coords.shape[0], 3, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        x = spconv.SparseConvTensor(feats, coords, (12, 11, 10), 2)
+        out = net(x)
+    subm_plan = out.find_indice_pair("s1").plan
+    strided_plan = out.find_indice_pair("d").plan
+    assert not subm_plan.for_training and not strided_plan.for_training
+    assert not subm_plan.fwd.block_sizes and strided_plan.fwd.block_sizes
+    ref = net(spconv.SparseConvTensor(feats, coords, (12, 11, 10), 2))  # training plans
+    torch.testing.assert_close(out.features, ref.features, rtol=1e-10, atol=1e-10)

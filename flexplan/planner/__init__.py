@@ -15,7 +15,7 @@ from .generative import generative_plan, output_spatial_shape
 from .generative_triton import generative_plan_triton
 from .hashmap import PROBLEM_SLOTS, problem_rows, submanifold_neighbor_map_triton
 from .reference import submanifold_neighbor_map_torch
-from .segments import plan_schedule
+from .segments import plan_schedule, unscheduled_map
 from .segments_triton import deferred_pairs_bound, schedule_layout
 
 BACKENDS = ("auto", "torch", "triton")
@@ -25,6 +25,12 @@ BACKENDS = ("auto", "torch", "triton")
 # larger build syncs, as the sync's cost (its own kernels' latency, ~0.1 ms) shrinks next to
 # its work while the room's memory grows.
 DEFERRED_PAIRS_MAX = 4 << 20
+# Whether an unchecked submanifold inference build schedules its map for the masked kernels
+# (False: rows in their own order, no schedule; its convs run the implicit kernel, which does
+# the work of every offset). False measured 2-5% faster LiDAR inference steps (host-bound, the
+# GPU idle most of the step) but costs GPU time wherever the GPU is the limit, so the schedule
+# stays (scripts/results/bench_precision.md, session 37); a size rule could pick per build.
+SCHEDULE_INFERENCE_SUBM = True
 
 
 def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: int,
@@ -78,6 +84,12 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training) -
     # read when the backward needs it (ConvPlan.pairs_pending).
     defer = (signal_offsets > 0 and not num_flags and not capturing(coords.device)
              and deferred_pairs_bound(coords.shape[0], signal_offsets) <= DEFERRED_PAIRS_MAX)
+    if not training and not num_flags and not SCHEDULE_INFERENCE_SUBM:
+        return ConvPlan(
+            geometry=geometry, batch_size=batch_size, in_spatial_shape=shape,
+            out_spatial_shape=shape, num_in=coords.shape[0], num_out=coords.shape[0],
+            out_coords=coords, fwd=unscheduled_map(nmap), bwd=None,
+            **signal_fields(None, coords.device, training))
     fwd, signal, flag_values = plan_schedule(
         nmap, PLAN_BLOCK_SIZES, backend, readback=problems, num_flags=num_flags,
         signal_offsets=signal_offsets, layout=layout,

@@ -225,3 +225,23 @@ def test_compiled_e2e_unet_under_autocast_equals_eager(dtype):
     for a, b in zip(grads[1], grads[0]):
         assert a.dtype == torch.float32  # the fp32 master weights' gradients
         torch.testing.assert_close(a, b, rtol=0, atol=5e-2 * b.abs().max() + 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_compiled_reduce_overhead_unet_equals_eager():
+    """mode="reduce-overhead" (inductor's CUDA graphs): the sparse ops are tagged
+    cudagraph_unsafe, so no recorded graph replays a plan lookup it skipped; results equal
+    eager ones over two batches of new coordinates, inference."""
+    torch._dynamo.reset()
+    scans = lidar_scans(2, 0, "cuda")
+    torch.manual_seed(0)
+    net = LidarUNet(spconv).cuda().eval()
+    compiled = torch.compile(net, mode="reduce-overhead")
+    with torch.no_grad():
+        for step in range(3):
+            batch = lidar_batch(step, 2, 0, "cuda", scans=scans)
+            outs = [model(spconv.SparseConvTensor(batch.features, batch.indices,
+                                                  list(batch.spatial_shape), 2))
+                    for model in (net, compiled)]
+            torch.testing.assert_close(outs[1], outs[0], rtol=2e-3, atol=2e-3)

@@ -15,7 +15,6 @@ algorithms); "explicit" multiplies its im2col blocks on the vendor matmul.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import replace
 from typing import Optional
@@ -38,6 +37,7 @@ from ..launch_spec import ACCUMULATOR, FEATURE, INT32, OUTPUT, SIZE
 from ..launcher import cdiv, launch
 from ..plan import MISSING, ConvPlan, GatherMap, kernels_run_on
 from . import torch_fallback
+from .graph_ops import GRAPH_OP_TAGS, op_context
 # From dispatch, not the flexplan.tuning package: that package also wires in the run-time
 # tuner, which sits above the ops (it times gather_gemm and wgrad below).
 from ..tuning.dispatch import answers_epoch, select_config
@@ -558,19 +558,6 @@ def _graph_sparse_conv(feats, plan, weight, bias, algo, allow_tf32):
 # The autocast dtype as the ops take it (a string: "" for none).
 _CAST_NAMES = {None: "", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _CASTS = {name: dtype for dtype, name in _CAST_NAMES.items()}
-# The graphs' ops launch kernels over a plan found from Python: never inside a CUDA graph that
-# torch.compile(mode="reduce-overhead") records (its replays would skip the lookup).
-GRAPH_OP_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
-
-
-@contextlib.contextmanager
-def op_context(tensor):
-    """Where a graph's op runs its eager implementation: on tensor's device, autocast off
-    (the graph cast the inputs; the op's own torch ops must not cast again)."""
-    with on_device_of(tensor), torch.autocast(tensor.device.type, enabled=False):
-        yield
-
-
 def _op_weight(weight, bias, cast: str):
     """The [Co, V, Ci] weight and the bias the kernels read, in the cast dtype if any."""
     co, ci = weight.shape[0], weight.shape[-1]

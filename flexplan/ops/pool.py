@@ -23,7 +23,7 @@ from ..launch_spec import FEATURE, FLOAT32, INT32, SIZE
 from ..launcher import launch
 from ..plan import ConvPlan, kernels_run_on
 from . import torch_fallback
-from .conv import GRAPH_OP_TAGS, op_context
+from .graph_ops import GRAPH_OP_TAGS, op_context
 
 POOL_MODES = ("max", "avg")
 # One launch shape for both directions: rows x channels tiles, the taps looped in the kernel.

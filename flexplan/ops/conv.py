@@ -640,9 +640,7 @@ def _conv_op_backward(ctx, grad_out, grad_keeper):
         grad_weight = torch.ops.flexplan.sparse_conv_wgrad(grad_out, feats, weight, keeper,
                                                            ctx.algo, ctx.allow_tf32)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-        # (the sums in fp32, rounded once to the bias's own dtype: fp32 for a master bias)
-        grad_bias = grad_out.sum(0, dtype=torch_fallback.accumulator_dtype(grad_out.dtype)).to(
-            ctx.bias_dtype)
+        grad_bias = bias_grad(grad_out, ctx.bias_dtype)
     return grad_feats, grad_weight, grad_bias, None, None, None, None
 
 

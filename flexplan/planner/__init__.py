@@ -85,15 +85,12 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training) -
     defer = (signal_offsets > 0 and not num_flags and not capturing(coords.device)
              and deferred_pairs_bound(coords.shape[0], signal_offsets) <= DEFERRED_PAIRS_MAX)
     if not training and not num_flags and not SCHEDULE_INFERENCE_SUBM:
-        return ConvPlan(
-            geometry=geometry, batch_size=batch_size, in_spatial_shape=shape,
-            out_spatial_shape=shape, num_in=coords.shape[0], num_out=coords.shape[0],
-            out_coords=coords, fwd=unscheduled_map(nmap), bwd=None,
-            **signal_fields(None, coords.device, training))
-    fwd, signal, flag_values = plan_schedule(
-        nmap, PLAN_BLOCK_SIZES, backend, readback=problems, num_flags=num_flags,
-        signal_offsets=signal_offsets, layout=layout,
-        pairs_total=0 if not signal_offsets and not num_flags else None, defer_pairs=defer)
+        fwd, signal, flag_values = unscheduled_map(nmap), None, None
+    else:
+        fwd, signal, flag_values = plan_schedule(
+            nmap, PLAN_BLOCK_SIZES, backend, readback=problems, num_flags=num_flags,
+            signal_offsets=signal_offsets, layout=layout,
+            pairs_total=0 if not signal_offsets and not num_flags else None, defer_pairs=defer)
     # The Triton build's coords check: a flag other than -1 names a row.
     if check and flag_values is not None and max(flag_values) >= 0:
         raise_coords_problems(coords, shape, batch_size, *problem_rows(flag_values, coords.shape[0]))

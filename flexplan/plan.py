@@ -81,6 +81,14 @@ class PendingCount:
         return PendingCount.known, (self.value(),)
 
 
+def maps_only_request(geometry: ConvGeometry, training: bool, scheduled: bool) -> bool:
+    """Does a request of this kind get a maps-only plan (ConvPlan.maps_only)? Only strided
+    inference requests that need no schedule (pools'); a submanifold, transposed or training
+    request is built scheduled whatever it asks. (An inverse conv's plan, transposed, may have
+    an unscheduled fwd map too: it is not a maps-only plan.)"""
+    return not scheduled and not training and not geometry.submanifold and not geometry.transposed
+
+
 def signal_fields(signal, device, training: bool) -> dict:
     """ConvPlan's valid_signal fields and for_training from a schedule's pairs: None, (input
     rows, output rows, seg), or those three with room past the pairs and the PendingCount of
@@ -328,6 +336,10 @@ class ConvPlan:
     for_training: False for a plan built for inference (no gradient will be taken): it has no
           valid_signal pairs (empty, S = 0) and, strided or transposed, no bwd map (bwd None):
           those cost a third to a half of a build and only backward reads them.
+    maps_only (derived): a strided (not transposed) inference plan whose fwd map has no masked
+          schedule (rows in their own order, planner.segments.unscheduled_map): what a pool
+          reads (its windows), without the schedule's sort and launches. A convolution over
+          it would run the implicit kernel, so a conv's request is never served one (serves).
     pairs_pending: None, or the PendingCount P of the pairs while valid_signal_i / _o still
           hold room past them: a GPU build that sized them by a bound instead of waiting for
           its kernels (planner: a submanifold training build makes no host sync). num_pairs
@@ -365,9 +377,16 @@ class ConvPlan:
         """S: the offsets valid_signal holds pairs of; those from S on mirror offset V - 1 - v."""
         return self.valid_signal_seg.numel() - 1
 
-    def serves(self, training: bool) -> bool:
-        """Can this plan run a convolution that will (training) or will not be differentiated?"""
-        return self.for_training or not training
+    def serves(self, training: bool, scheduled: bool = True) -> bool:
+        """Can this plan run a convolution that will (training) or will not be differentiated?
+        scheduled=False: a pool's request, which a maps-only plan serves too."""
+        return (self.for_training or not training) and not (scheduled and self.maps_only)
+
+    @property
+    def maps_only(self) -> bool:
+        """Built for a pool's request (maps_only_request): no schedule of its fwd map."""
+        return (not self.for_training and not self.geometry.submanifold
+                and not self.geometry.transposed and not self.fwd.valid_kernel_seg)
 
     @property
     def num_pairs(self) -> int:

@@ -8,7 +8,7 @@ two steps in a row asked for the same sequence of plans (the same layers over fr
 the next step's first request builds the whole sequence at once, before any of the step's kernels
 or collectives are queued; the layers then find their plans here.
 
-What a step asks is recorded per thread as requests (path, geometry, training): path names the
+What a step asks is recorded per thread as requests (path, geometry, training, scheduled): path names the
 coordinates by the strided geometries that led from the step's input coordinates to them (the
 input's is ()). A step begins with a request on coordinates the current step did not make, or
 with a repeat of its first request. Nothing here changes which plan a layer gets: prefetched
@@ -76,25 +76,27 @@ class _Steps(threading.local):
 _steps = _Steps()
 
 
-def plan_for(x, geometry: ConvGeometry, training: bool) -> ConvPlan:
+def plan_for(x, geometry: ConvGeometry, training: bool, scheduled: bool = True) -> ConvPlan:
     """The plan of `geometry` over x's coordinates: prefetched for this step, else from the
-    cache (built there if new). Records the request."""
+    cache (built there if new). Records the request. (training, scheduled: the kind asked,
+    as cache.cached_plan takes them.)"""
     if not enabled():
         return _cached(x.coords, x.grid_shape, x.batch_size, geometry, x.coords_identity(),
-                       training)
+                       training, scheduled)
     steps = _steps
     identity, device = x.coords_identity(), x.coords.device
     node = _node(identity, device, x.grid_shape, x.batch_size)
     path = steps.paths.get(node)
-    request = (path, geometry, training)
+    request = (path, geometry, training, scheduled)
     if path is None or (steps.recording and request == steps.recording[0]):
-        request = (), geometry, training
+        request = (), geometry, training, scheduled
         _begin_step(steps, x, node, request)
     if len(steps.recording) <= MAX_REQUESTS:
         steps.recording.append(request)
     plan = steps.prefetched.pop((node, geometry), None)  # the layer's tensor keeps it from here
-    if plan is None or not plan.serves(training):
-        plan = _cached(x.coords, x.grid_shape, x.batch_size, geometry, identity, training)
+    if plan is None or not plan.serves(training, scheduled):
+        plan = _cached(x.coords, x.grid_shape, x.batch_size, geometry, identity, training,
+                       scheduled)
     if not geometry.submanifold:
         child = derived_identity(identity, x.grid_shape, x.batch_size, geometry)
         steps.paths[_node(child, device, plan.out_spatial_shape, x.batch_size)] = (
@@ -113,9 +115,10 @@ def _node(identity: bytes, device, grid_shape, batch_size: int) -> tuple:
     return identity, device, tuple(int(s) for s in grid_shape), int(batch_size)
 
 
-def _cached(coords, grid_shape, batch_size, geometry, identity, training) -> ConvPlan:
+def _cached(coords, grid_shape, batch_size, geometry, identity, training,
+            scheduled: bool = True) -> ConvPlan:
     return cached_plan(coords, grid_shape, batch_size, geometry, check=False, identity=identity,
-                       training=training)
+                       training=training, scheduled=scheduled)
 
 
 def _begin_step(steps: _Steps, x, node: tuple, first: tuple) -> None:
@@ -169,8 +172,8 @@ def _prefetch(steps: _Steps, x, node: tuple, recipe: list) -> None:
     entries = _plan_entries(steps, x, node, recipe)
     if STRIDED_FIRST:  # (stable: each strided entry still follows the ones it depends on)
         entries.sort(key=lambda entry: entry[1].submanifold)
-    for path, geometry, training, grid, ident, key in entries:
-        plan = _cached(coords_of[path], grid, x.batch_size, geometry, ident, training)
+    for path, geometry, training, scheduled, grid, ident, key in entries:
+        plan = _cached(coords_of[path], grid, x.batch_size, geometry, ident, training, scheduled)
         if not geometry.submanifold:
             coords_of[path + (geometry,)] = plan.out_coords
         steps.prefetched[key] = plan
@@ -178,18 +181,18 @@ def _prefetch(steps: _Steps, x, node: tuple, recipe: list) -> None:
 
 def _plan_entries(steps: _Steps, x, node: tuple, recipe: list) -> list:
     """The requests of `recipe` that this step's coordinates reach, in order, as (path,
-    geometry, training, grid, identity, key): keyed on the host before any is built (a
+    geometry, training, scheduled, grid, identity, key): keyed on the host before any is built (a
     strided request's output coordinates take their identity and grid from its input's), and
     their paths noted for the layers (steps.paths)."""
     device, batch_size = x.coords.device, x.batch_size
     sets = {(): (node[0], tuple(x.grid_shape))}  # path -> identity, grid
     entries = []
-    for path, geometry, training in recipe:
+    for path, geometry, training, scheduled in recipe:
         at = sets.get(path)
         if at is None:  # recorded on coordinates this sequence does not make: stop here
             break
         ident, grid = at
-        entries.append((path, geometry, training, grid, ident,
+        entries.append((path, geometry, training, scheduled, grid, ident,
                         (_node(ident, device, grid, batch_size), geometry)))
         if not geometry.submanifold:
             child = derived_identity(ident, grid, batch_size, geometry)

@@ -19,15 +19,17 @@ from .planner.plan4d import build_plan_4d
 
 
 @opaque
-def tensor_plan(x, geometry: ConvGeometry, training: bool = True) -> ConvPlan:
+def tensor_plan(x, geometry: ConvGeometry, training: bool = True,
+                scheduled: bool = True) -> ConvPlan:
     """The plan of `geometry` over the coordinates of x (a SparseTensor): from its Plans, else
     built (or found in the plan cache) once and kept there. training=False accepts an inference
     plan (ConvPlan.for_training), cheaper to build; a training plan serves both, and replaces
-    an inference plan when training asks."""
+    an inference plan when training asks. scheduled=False (a pool's request) accepts a
+    maps-only plan too (ConvPlan.maps_only), which a convolution's request replaces."""
     plans = x._plans
     plan = plans.get(geometry)
-    if plan is None or not plan.serves(training):
-        plan = plan_for(x, geometry, training)
+    if plan is None or not plan.serves(training, scheduled):
+        plan = plan_for(x, geometry, training, scheduled)
         plans[geometry] = plan
     return plan
 

@@ -2,7 +2,8 @@
 e2e benchmark's LiDAR batches (two ray-cast scans, z dropped, one pillar per (x, y) cell, as
 VoxelNeXt-style 2D backbones see them) through SubMConv2d / SparseConv2d layers of both
 libraries; inference and training (forward + backward), new pillars every call and repeated
-ones. Checks that both give the same outputs (fp32) first.
+ones. The two libraries are timed paired: interleaved call by call on the same pillars, so
+host-speed drift moves both alike. Checks that both give the same outputs (fp32) first.
 
 Usage (GPU): python3 scripts/bench_2d.py [--channels 64,128] [--steps 30] [--out FILE]
 Results: scripts/results/bench_2d.md
@@ -21,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-2d-"))
 
 import flexplan.nn.spconv as fx  # noqa: E402
-from bench_common import host_launch_us, sorted_rows, time_steps, today  # noqa: E402
+from bench_common import host_launch_us, sorted_rows, time_paired, today  # noqa: E402
 from flexplan.cache import plan_cache  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
 
@@ -58,12 +59,17 @@ def main() -> None:
              f"Host: {host_launch_us():.1f} us per small torch launch.",
              f"Input: BEV pillars of LiDAR batches of 2 scans, {pillars[0][0].shape[0]} pillars "
              f"(first batch), grid {pillars[0][1]}; {args.warmup} warm-up then {args.steps} timed "
-             "calls, median ms, synchronized around each call. fresh: new pillars per call "
+             "calls per library, the two libraries interleaved call by call on the same pillars "
+             "(which goes first alternates), synchronized around each call. spconv ms, flexplan "
+             "ms: median per library; speedup: the ratio of those medians (spconv / flexplan); "
+             "paired speedup: the median over the timed batches of spconv ms / flexplan ms on "
+             "the same pillars. fresh: new pillars per call "
              "(flexplan's plan cache emptied first); same: one batch. Each call makes the "
              "SparseConvTensor from the pillars (coordinate check included); the x4 stack runs "
              "four convs with one indice_key on it, as a BEV backbone's stage does.", "",
-             "| layer | C | dtype | phase | coords | spconv ms | flexplan ms | speedup | fp32 equal |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| layer | C | dtype | phase | coords | spconv ms | flexplan ms | speedup "
+             "| paired speedup | fp32 equal |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines))
     gen = torch.Generator(device=device).manual_seed(0)
     for channels in (int(c) for c in args.channels.split(",")):
@@ -92,7 +98,7 @@ def main() -> None:
             for dtype in (torch.float16,):
                 for phase in ("infer", "train"):
                     for coords in ("fresh", "same"):
-                        ms = {}
+                        steps = {}
                         for impl in ("spconv", "flexplan"):
                             layer = layers[impl].to(dtype)
 
@@ -104,13 +110,16 @@ def main() -> None:
                                 else:
                                     with torch.no_grad():
                                         layer(x)
-                            run = list(range(count)) if coords == "fresh" else [0] * count
-                            if coords == "fresh":
-                                plan_cache.clear(disk=True)
-                            ms[impl] = time_steps(step, run, args.warmup)
+                            steps[impl] = step
+                        run = list(range(count)) if coords == "fresh" else [0] * count
+                        if coords == "fresh":
+                            plan_cache.clear(disk=True)
+                        timed = time_paired(steps, run, args.warmup, ratio=("spconv", "flexplan"))
+                        ms = timed["ms"]
                         row = (f"| {name} | {channels} | {str(dtype).removeprefix('torch.')} | "
                                f"{phase} | {coords} | {ms['spconv']:.3f} | {ms['flexplan']:.3f} | "
-                               f"{ms['spconv'] / ms['flexplan']:.2f}x | {equal} |")
+                               f"{ms['spconv'] / ms['flexplan']:.2f}x | {timed['ratio']:.2f}x | "
+                               f"{equal} |")
                         print(row, flush=True)
                         lines.append(row)
     if args.out:

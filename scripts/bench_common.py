@@ -1,5 +1,5 @@
 """Facts every benchmark records next to its numbers: the date, the GPU's measured state and the
-host's speed.
+host's speed; and the timers and row ordering the library comparisons share.
 
 Scripts in this folder run as `python scripts/NAME.py`, so they import this module directly.
 """
@@ -78,3 +78,49 @@ def time_steps(step, batches, warmup: int) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def time_paired(steps: dict, batches, warmup: int, ratio: tuple[str, str] | None = None) -> dict:
+    """Times several implementations of one step call by call on the same batches, so that
+    host-speed drift moves them together instead of moving one block of calls against another.
+
+    steps: {name: step}, each step(b) one call on batch b. First every step runs on each of
+    batches[:warmup] (untimed); then, for each b in batches[warmup:], every step runs once on b,
+    synchronized around each call (torch.cuda.synchronize before and after, perf_counter), the
+    order rotated by one each batch (with two steps: which goes first alternates).
+
+    Returns {"ms": {name: median ms}, "times": {name: [ms per timed batch]}, "ratio": the median
+    over the timed batches of times[num][k] / times[den][k]}, where (num, den) = `ratio`, by
+    default the first two names of `steps` (None with fewer than two steps)."""
+    import statistics
+    import time
+
+    import torch
+
+    names = list(steps)
+    if not names or not batches[warmup:]:
+        raise ValueError("time_paired: needs a step and a batch left to time after the warm-up")
+    if ratio is None and len(names) >= 2:
+        ratio = (names[0], names[1])
+
+    def order(k: int) -> list:
+        k %= len(names)
+        return names[k:] + names[:k]
+
+    for k, b in enumerate(batches[:warmup]):
+        for name in order(k):
+            steps[name](b)
+    times = {name: [] for name in names}
+    for k, b in enumerate(batches[warmup:]):
+        for name in order(k):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            steps[name](b)
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    paired = None
+    if ratio is not None:
+        num, den = ratio
+        paired = statistics.median([a / b for a, b in zip(times[num], times[den])])
+    return {"ms": {name: statistics.median(t) for name, t in times.items()}, "times": times,
+            "ratio": paired}

@@ -1,8 +1,9 @@
 """Sparse pooling, flexplan vs spconv, side by side in one run: the same LiDAR batches (two ray-cast
 scans, the e2e benchmark's workload) through SparseMaxPool3d / SparseAvgPool3d layers of both
 libraries, inference and training (forward + backward), on new coordinates every call (the plan
-built each time, as spconv always does) and on repeated ones (flexplan reuses its plan). Also
-checks that both give the same output coordinates and values (fp32).
+built each time, as spconv always does) and on repeated ones (flexplan reuses its plan). The two
+libraries are timed paired: interleaved call by call on the same batches, so host-speed drift
+moves both alike. Also checks that both give the same output coordinates and values (fp32).
 
 Usage (GPU): python3 scripts/bench_pool.py [--channels 32] [--steps 30] [--out FILE]
 Results: scripts/results/bench_pool.md
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -21,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-pool-"))
 
 import flexplan.nn.spconv as fx  # noqa: E402
+from flexplan.nn import spconv_pool  # noqa: E402
 from flexplan.cache import plan_cache  # noqa: E402
-from bench_common import host_launch_us, sorted_rows, time_steps, today  # noqa: E402
+from bench_common import host_launch_us, sorted_rows, time_paired, today  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "bench_pool.md"
@@ -31,12 +34,27 @@ LAYERS = [("max 2/2", "SparseMaxPool3d", (2, 2)), ("max 3/2 p1", "SparseMaxPool3
           ("avg 2/2", "SparseAvgPool3d", (2, 2))]
 
 
+def scheduled_plans(step):
+    """step, with the pools asking for scheduled inference plans (the A/B's other side)."""
+    def run(b):
+        spconv_pool.MAPS_ONLY_PLANS = False
+        try:
+            step(b)
+        finally:
+            spconv_pool.MAPS_ONLY_PLANS = True
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--channels", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--ab", action="store_true",
+                        help="also time flexplan with scheduled pool plans (flexplan.nn."
+                             "spconv_pool.MAPS_ONLY_PLANS False) in the same pairs, and add the "
+                             "column scheduled / maps-only (paired; above 1: maps-only faster)")
     args = parser.parse_args()
     import spconv
     import spconv.pytorch as sp
@@ -55,10 +73,19 @@ def main() -> None:
              f"{__import__('triton').__version__}, spconv {getattr(spconv, '__version__', '?')}. "
              f"Host: {host_launch_us():.1f} us per small torch launch.",
              f"Input: LiDAR batches of 2 scans, {batches[0][1].shape[0]} voxels (first batch), "
-             f"C = {args.channels}; {args.warmup} warm-up then {args.steps} timed calls, median "
-             "ms, synchronized around each call. fresh: a new batch per call; same: one batch.",
-             "", "| layer | dtype | phase | coords | spconv ms | flexplan ms | speedup | fp32 outputs equal |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"C = {args.channels}; {args.warmup} warm-up then {args.steps} timed calls per "
+             "library, the two libraries interleaved call by call on the same batches (which "
+             "goes first alternates), synchronized around each call. spconv ms, flexplan ms: "
+             "median per library; speedup: the ratio of those medians (spconv / flexplan); "
+             "paired speedup: the median over the timed batches of spconv ms / flexplan ms on "
+             "the same batch. fresh: a new batch per call (flexplan's plan cache emptied first); "
+             "same: one batch.",
+             "", "| layer | dtype | phase | coords | spconv ms | flexplan ms | speedup "
+             "| paired speedup | fp32 outputs equal |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    if args.ab:
+        lines[-2] += " scheduled / maps-only |"
+        lines[-1] += "---|"
     print("\n".join(lines))
     for name, cls, layer_args in LAYERS:
         layers = {"spconv": getattr(sp, cls)(*layer_args), "flexplan": getattr(fx, cls)(*layer_args)}
@@ -72,7 +99,7 @@ def main() -> None:
         for dtype in (torch.float16, torch.float32):
             for phase in ("infer", "train"):
                 for coords in ("fresh", "same"):
-                    ms = {}
+                    steps = {}
                     for impl in ("spconv", "flexplan"):
                         layer, make = layers[impl], tensor_of[impl]
 
@@ -80,18 +107,30 @@ def main() -> None:
                             f, i, s = b
                             f = f.to(dtype)
                             if phase == "train":
-                                f = f.requires_grad_()
+                                # A leaf of its own per call: both libraries read these batches
+                                # (fp32's .to returns the batch's own tensor, whose .grad would
+                                # otherwise carry from one library's call into the other's).
+                                f = f.detach().requires_grad_()
                                 layer(make(f, i, s, 2)).features.float().sum().backward()
                             else:
                                 with torch.no_grad():
                                     layer(make(f, i, s, 2))
-                        run = batches if coords == "fresh" else [batches[0]] * count
-                        if coords == "fresh":  # earlier rows saw these batches: forget them
-                            plan_cache.clear(disk=True)
-                        ms[impl] = time_steps(step, run, args.warmup)
+                        steps[impl] = step
+                    if args.ab:
+                        steps["flexplan-scheduled"] = scheduled_plans(steps["flexplan"])
+                    run = batches if coords == "fresh" else [batches[0]] * count
+                    if coords == "fresh":  # earlier rows saw these batches: forget them
+                        plan_cache.clear(disk=True)
+                    timed = time_paired(steps, run, args.warmup, ratio=("spconv", "flexplan"))
+                    ms = timed["ms"]
                     row = (f"| {name} | {str(dtype).removeprefix('torch.')} | {phase} | {coords} | "
                            f"{ms['spconv']:.3f} | {ms['flexplan']:.3f} | "
-                           f"{ms['spconv'] / ms['flexplan']:.2f}x | {same} |")
+                           f"{ms['spconv'] / ms['flexplan']:.2f}x | {timed['ratio']:.2f}x | "
+                           f"{same} |")
+                    if args.ab:
+                        times = timed["times"]
+                        row += " {:.2f} |".format(statistics.median(
+                            a / b for a, b in zip(times["flexplan-scheduled"], times["flexplan"])))
                     print(row, flush=True)
                     lines.append(row)
     if args.out:

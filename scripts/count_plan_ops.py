@@ -160,6 +160,9 @@ def kinds(coords):
             None),
         "strided s2 p1 inference": (build(DOWN, False), None),
         "strided s2 p1 training": (build(DOWN, True), None),
+        "strided s2 p1 maps-only (a pool's)": (
+            lambda _: build_plan(coords, SHAPE, BATCH, DOWN, backend="triton", check=False,
+                                 training=False, scheduled=False), None),
         "transposed s2 p1 inference": (build(UP, False), None),
         "transposed s2 p1 training": (build(UP, True), None),
         "inverse bwd map (inference plan)": (

@@ -53,6 +53,23 @@ def test_triton_plan_equals_torch_oracle(case, device):
         assert_same_plans(oracle, plan)
 
 
+def test_maps_only_plans_equal_the_torch_oracle(device):
+    """A pool's maps-only request (training False, scheduled False): the same plan from both
+    backends, with the fwd map in its own row order and no schedule; empty outputs too."""
+    geom = ConvGeometry.make(3, stride=2, padding=1, submanifold=False)
+    coords = random_coords(150, (9, 8, 7), 2, generator=torch.Generator().manual_seed(4))
+    lone = torch.tensor([[0, 6, 6, 6]], dtype=torch.int32)  # no output without padding
+    for c, g in ((coords, geom), (lone, ConvGeometry.make(3, stride=2, submanifold=False))):
+        shape = (9, 8, 7) if c is coords else (7, 7, 7)
+        oracle = build_plan(c, shape, 2, g, backend="torch", training=False, scheduled=False)
+        plan = build_plan(c.to(device), shape, 2, g, backend="triton", training=False,
+                          scheduled=False)
+        assert plan.maps_only and oracle.maps_only and not plan.fwd.block_sizes
+        assert_same_plans(oracle, plan)
+        scheduled = build_plan(c, shape, 2, g, backend="torch", training=False)
+        assert torch.equal(plan.fwd.neighbor_map.cpu(), scheduled.fwd.neighbor_map)
+
+
 def test_kernels_read_valid_kernel_without_a_sync(device):
     """The fwd schedule's valid_kernel lengths stay on the device: the region the kernels read
     starts with the exact run (read later, on demand) and is at least as long."""

@@ -23,17 +23,31 @@ def network():
         spconv.SparseInverseConv3d(5, 4, 3, indice_key="down0")).double()
 
 
+class _Log(list):
+    """The requests, and per request whether it asked for a scheduled plan (a pool does not);
+    clear() forgets both."""
+
+    def __init__(self):
+        super().__init__()
+        self.scheduled = []
+
+    def clear(self):
+        super().clear()
+        self.scheduled.clear()
+
+
 @pytest.fixture
 def log(monkeypatch):
     """Every plan build or cache lookup of plan_prefetch, in order: (rows, geometry) per call,
     and a marker where the layers' first request arrived."""
     plan_prefetch.clear()
-    calls = []
+    calls = _Log()
     real = plan_prefetch._cached
 
-    def cached(coords, grid_shape, batch_size, geometry, identity, training):
+    def cached(coords, grid_shape, batch_size, geometry, identity, training, scheduled=True):
         calls.append((coords.shape[0], geometry, training))
-        return real(coords, grid_shape, batch_size, geometry, identity, training)
+        calls.scheduled.append(scheduled)
+        return real(coords, grid_shape, batch_size, geometry, identity, training, scheduled)
 
     monkeypatch.setattr(plan_prefetch, "_cached", cached)
     yield calls
@@ -118,11 +132,11 @@ def test_prefetch_that_fails_falls_back_to_the_layers(log, monkeypatch):
     real = plan_prefetch._cached
     fail = {"armed": True}
 
-    def flaky(coords, grid_shape, batch_size, geometry, identity, training):
+    def flaky(coords, grid_shape, batch_size, geometry, identity, training, scheduled=True):
         if fail["armed"] and not geometry.submanifold:
             fail["armed"] = False
             raise RuntimeError("prefetch failure")
-        return real(coords, grid_shape, batch_size, geometry, identity, training)
+        return real(coords, grid_shape, batch_size, geometry, identity, training, scheduled)
 
     monkeypatch.setattr(plan_prefetch, "_cached", flaky)
     with pytest.warns(RuntimeWarning, match="prefetching a step's plans failed"):
@@ -199,3 +213,21 @@ def test_prefetch_builds_strided_plans_before_submanifold_ones(log, monkeypatch)
     log.clear()
     run(net, seed=4)
     assert [g.submanifold for _, g, _ in log] == [True, False, True, False, True]
+
+
+def test_prefetch_keeps_a_pools_maps_only_request(log, monkeypatch):
+    """A pool asks for a maps-only plan (no fwd schedule); the prefetch builds the same kind,
+    and the step equals the one the layers build."""
+    torch.manual_seed(0)
+    net = spconv.SparseSequential(spconv.SubMConv3d(3, 4, 3, indice_key="subm0"),
+                                  spconv.SparseMaxPool3d(3, 2, 1),
+                                  spconv.SubMConv3d(4, 4, 3, indice_key="subm1")).double()
+    outs = [run(net, seed, grad=False) for seed in (1, 2)]
+    log.clear()
+    out = run(net, seed=3, grad=False)
+    assert [(g.submanifold, s) for (_, g, _), s in zip(log, log.scheduled)] == [
+        (False, False), (True, True), (True, True)]
+    monkeypatch.setenv(plan_prefetch.PREFETCH_ENV, "0")
+    want = run(net, seed=3, grad=False)
+    assert torch.equal(out.indices, want.indices) and len(outs) == 2
+    torch.testing.assert_close(out.features, want.features, rtol=0, atol=0)

@@ -62,14 +62,17 @@ def expected_outputs(coords, geom, out_shape, batch_size):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("mode", ["max", "avg"])
-@pytest.mark.parametrize("training", [True, False], ids=["training_plan", "inference_plan"])
-def test_pool_matches_float64_reference(case, mode, training, device):
-    """Forward and gradient on either kind of plan: an inference plan's backward map is its fwd
-    map transposed (ops.pool.backward_map)."""
+@pytest.mark.parametrize("kind", ["training", "inference", "maps"])
+def test_pool_matches_float64_reference(case, mode, kind, device):
+    """Forward and gradient on every kind of plan: an inference plan's backward map is its fwd
+    map transposed (ops.pool.backward_map); a maps-only one (the pool layers' own, strided
+    geometries) has no schedule of its fwd map either."""
     geom = geometry(case)
     gen = torch.Generator().manual_seed(hash((IDS[CASES.index(case)], mode)) % 2**31)
     coords = random_coords(70, SHAPE, 2, generator=gen)
-    plan = build_plan(coords.to(device), SHAPE, 2, geom, training=training)
+    plan = build_plan(coords.to(device), SHAPE, 2, geom, training=kind == "training",
+                      scheduled=kind != "maps")
+    assert plan.maps_only == (kind == "maps" and not geom.submanifold)
     out_shape = SHAPE if geom.submanifold else output_spatial_shape(SHAPE, geom)
     want = coords if geom.submanifold else expected_outputs(coords, geom, out_shape, 2)
     got = plan.out_coords.cpu()
@@ -236,3 +239,75 @@ def test_max_pool_propagates_nan_like_torch(device):
     row = (plan.fwd.neighbor_map == 5).any(1)
     assert torch.isnan(out[row, 1]).all() and not torch.isnan(out[~row]).any()
     assert not torch.isnan(out[:, 0]).any() and not torch.isnan(out[:, 2]).any()
+
+
+def test_pool_layers_build_maps_only_plans(device, tmp_path):
+    """A strided pool asks for a maps-only plan (no fwd schedule, its own cache key): equal to
+    the torch oracle's, on either backend; a conv of the same geometry over the same tensor gets
+    a scheduled plan instead (which then serves the pool too); a pool with an indice_key under
+    no_grad pairs with an inverse conv; the plan ships through save_plans / load_plans."""
+    from flexplan.cache import PlanCache, plan_cache
+    from flexplan.planner.segments import unscheduled_map
+
+    gen = torch.Generator().manual_seed(21)
+    coords = random_coords(90, SHAPE, 2, generator=gen).to(device)
+    feats = torch.randn(coords.shape[0], 5, dtype=torch.float64, generator=gen).to(device)
+    geom = ConvGeometry.make(3, 1, 2, 1, submanifold=False)
+    maps = build_plan(coords, SHAPE, 2, geom, training=False, scheduled=False)
+    oracle = build_plan(coords, SHAPE, 2, geom, backend="torch", training=False)
+    assert maps.maps_only and not oracle.maps_only and not maps.fwd.valid_kernel
+    assert torch.equal(maps.out_coords, oracle.out_coords)
+    assert torch.equal(maps.fwd.neighbor_map, oracle.fwd.neighbor_map)
+    assert torch.equal(maps.fwd.sorted_idx, unscheduled_map(oracle.fwd.neighbor_map).sorted_idx)
+    # What a request gets: training, submanifold and transposed requests stay scheduled.
+    assert not build_plan(coords, SHAPE, 2, geom, scheduled=False).maps_only
+    assert not build_plan(coords, SHAPE, 2, ConvGeometry.submanifold_conv(3), training=False,
+                          scheduled=False).maps_only
+    assert not build_plan(coords, SHAPE, 2, ConvGeometry.make(2, 1, 2, 0, submanifold=False,
+                                                              transposed=True),
+                          training=False, scheduled=False).maps_only
+    assert maps.serves(False, scheduled=False) and not maps.serves(False) and not maps.serves(True)
+    assert oracle.serves(False, scheduled=False)
+
+    pool = spconv.SparseMaxPool3d(3, 2, 1)
+    x = spconv.SparseConvTensor(feats, coords, SHAPE, 2)
+    with torch.no_grad():
+        down = pool(x)
+    assert x._plans.get(geom).maps_only
+    torch.testing.assert_close(down.features, sparse_pool(feats, oracle).relu(), rtol=0, atol=0)
+    conv = spconv.SparseConv3d(5, 4, 3, 2, 1).double().to(device)
+    with torch.no_grad():
+        y = conv(x)
+        want = conv(spconv.SparseConvTensor(feats, coords, SHAPE, 2))
+    assert not x._plans.get(geom).maps_only
+    torch.testing.assert_close(y.features, want.features, rtol=0, atol=0)
+    with torch.no_grad():
+        again = pool(x)  # the scheduled plan serves the pool's request
+    assert not x._plans.get(geom).maps_only
+    torch.testing.assert_close(again.features, down.features, rtol=0, atol=0)
+
+    keyed = spconv.SparseSequential(spconv.SparseMaxPool3d(3, 2, 1, indice_key="p"),
+                                    spconv.SparseInverseConv3d(5, 3, 3, indice_key="p"))
+    keyed = keyed.double().to(device)
+    fresh = spconv.SparseConvTensor(feats, coords, SHAPE, 2)
+    with torch.no_grad():
+        inferred = keyed(fresh)
+    assert fresh._plans.get(geom).maps_only
+    trained = keyed(spconv.SparseConvTensor(feats, coords, SHAPE, 2))  # a training plan
+    assert torch.equal(inferred.indices, coords)
+    torch.testing.assert_close(inferred.features, trained.features.detach())
+
+    # The cache keeps the kinds apart, and a maps-only plan ships like any other.
+    cache = PlanCache(tmp_path / "cache")
+    got = cache.get_or_build(coords, SHAPE, 2, geom, training=False, scheduled=False)
+    scheduled = cache.get_or_build(coords, SHAPE, 2, geom, training=False)
+    assert got.maps_only and not scheduled.maps_only
+    assert cache.key(coords, SHAPE, 2, geom, False, maps_only=True) != cache.key(
+        coords, SHAPE, 2, geom, False)
+    keys = cache.save_plans(tmp_path / "shipped", [got, scheduled])
+    server = PlanCache(tmp_path / "server")
+    loaded = server.load_plans(tmp_path / "shipped", device=coords.device)
+    assert [loaded[k].maps_only for k in keys] == [True, False]
+    served = server.get_or_build(coords, SHAPE, 2, geom, training=False, scheduled=False)
+    assert served is loaded[keys[0]] and server.stats().get("builds", 0) == 0
+    assert plan_cache is not server

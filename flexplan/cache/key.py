@@ -43,23 +43,26 @@ def _derived_scalars(spatial_shape: tuple, batch_size: int, geometry: ConvGeomet
 
 
 def plan_key(coords: torch.Tensor, spatial_shape, batch_size: int, geometry: ConvGeometry,
-             identity: bytes | None = None, training: bool = True) -> str:
+             identity: bytes | None = None, training: bool = True, maps_only: bool = False) -> str:
     """32 hex digits naming the plan of `geometry` over `coords` (any device, same key).
     identity: coords_identity(coords) or a derived_identity, when the caller has it.
-    training: False names the inference plan (ConvPlan.for_training), a plan of its own."""
+    training: False names the inference plan (ConvPlan.for_training), a plan of its own;
+    maps_only (with training False) the maps-only plan (ConvPlan.maps_only), another."""
     return key_from_identity(coords.shape[0], spatial_shape, batch_size, geometry,
                              coords_identity(coords) if identity is None else identity, training,
-                             coords_dtype=coords.dtype, coords_columns=coords.shape[1])
+                             coords_dtype=coords.dtype, coords_columns=coords.shape[1],
+                             maps_only=maps_only)
 
 
 def key_from_identity(num_rows: int, spatial_shape, batch_size: int, geometry: ConvGeometry,
                       identity: bytes, training: bool = True, *,
-                      coords_dtype: torch.dtype = torch.int32, coords_columns: int = 4) -> str:
+                      coords_dtype: torch.dtype = torch.int32, coords_columns: int = 4,
+                      maps_only: bool = False) -> str:
     """plan_key from the coordinates' row count and identity alone: what a plan file's
     recorded identity must hash to, with the plan's own scalars (identity_binding_problem)."""
     h = hashlib.blake2b(_scalars_bytes(str(coords_dtype), int(batch_size),
                                        tuple(int(s) for s in spatial_shape), geometry,
-                                       bool(training)), digest_size=16)
+                                       bool(training), bool(maps_only)), digest_size=16)
     h.update(int(num_rows).to_bytes(8, "little") + int(coords_columns).to_bytes(8, "little"))
     h.update(identity)
     return h.hexdigest()
@@ -78,14 +81,15 @@ def identity_binding_problem(key: str, header: dict, plan) -> str | None:
     if not isinstance(recorded, str) or not _HEX_IDENTITY.fullmatch(recorded):
         return "the file records no identity of its input coordinates"
     if key_from_identity(plan.num_in, plan.in_spatial_shape, plan.batch_size, plan.geometry,
-                         bytes.fromhex(recorded), plan.for_training) != key:
+                         bytes.fromhex(recorded), plan.for_training,
+                         maps_only=plan.maps_only) != key:
         return "its input coordinates' identity does not hash to its key (a plan of other coordinates)"
     return None
 
 
 @functools.lru_cache(maxsize=1024)
 def _scalars_bytes(dtype: str, batch_size: int, spatial_shape: tuple, geometry: ConvGeometry,
-                   training: bool) -> bytes:
+                   training: bool, maps_only: bool = False) -> bytes:
     """The JSON of a key's scalars but the row count: a job has few combinations, so this costs
     a dict lookup per key instead of dataclass and JSON encoding."""
     fields = {
@@ -95,4 +99,6 @@ def _scalars_bytes(dtype: str, batch_size: int, spatial_shape: tuple, geometry: 
     }
     if not training:
         fields["inference"] = True
+    if maps_only:  # (absent otherwise: the other plans' keys stay what they were)
+        fields["maps_only"] = True
     return json.dumps(fields, sort_keys=True).encode()

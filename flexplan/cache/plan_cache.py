@@ -17,7 +17,7 @@ from ..graph_capture import capturing
 from ..atomic_write import atomic_write
 from .. import paths
 from ..geometry import ConvGeometry, triple
-from ..plan import ConvPlan
+from ..plan import ConvPlan, maps_only_request
 from ..coords_check import SparseTensorError, check_coords
 from .admission import SeenKeys
 from .disk import DiskCache
@@ -53,10 +53,11 @@ def _check_layout(coords) -> None:
                                 f"{tuple(getattr(coords, 'shape', ()))}")
 
 
-def _matches(plan: ConvPlan, coords, spatial_shape, batch_size, geometry, training=True) -> bool:
+def _matches(plan: ConvPlan, coords, spatial_shape, batch_size, geometry, training=True,
+             maps_only: bool = False) -> bool:
     """Does a loaded plan belong to this request? Guards against key collisions."""
     if (plan.geometry != geometry or plan.batch_size != batch_size or plan.num_in != coords.shape[0]
-            or plan.for_training != training
+            or plan.for_training != training or plan.maps_only != maps_only
             or tuple(plan.in_spatial_shape) != tuple(spatial_shape)):
         return False
     # Submanifold plans carry their input coords: compare them exactly (cheap next to a load).
@@ -181,7 +182,8 @@ class PlanCache:
 
         for candidate in candidates():
             if key_from_identity(plan.num_in, plan.in_spatial_shape, plan.batch_size,
-                                 plan.geometry, candidate, plan.for_training) == key:
+                                 plan.geometry, candidate, plan.for_training,
+                                 maps_only=plan.maps_only) == key:
                 return {IDENTITY_FIELD: candidate.hex()}
         return None
 
@@ -212,15 +214,16 @@ class PlanCache:
 
     # ---- lookups -------------------------------------------------------------------------
     def key(self, coords, spatial_shape, batch_size, geometry, training: bool = True,
-            identity: bytes | None = None) -> str:
+            identity: bytes | None = None, maps_only: bool = False) -> str:
         _check_layout(coords)
         start = time.perf_counter()
         key = plan_key(coords, triple(spatial_shape, "spatial_shape"), batch_size, geometry,
-                       identity, training=training)
+                       identity, training=training, maps_only=maps_only)
         self._count("keys", time.perf_counter() - start)
         return key
 
-    def _load(self, key, coords, shape, batch_size, geometry, locked: bool, training: bool = True):
+    def _load(self, key, coords, shape, batch_size, geometry, locked: bool, training: bool = True,
+              maps_only: bool = False):
         """(plan, None) from disk, or (None, why): "absent", "skipped" (rebuilding is faster
         here), "bad" (corrupt or foreign file; removed with a warning when locked)."""
         disk, device = self.disk, coords.device
@@ -248,7 +251,7 @@ class PlanCache:
             return None, "skipped"
         _sync(device)
         seconds = time.perf_counter() - start
-        if not _matches(plan, coords, shape, batch_size, geometry, training):
+        if not _matches(plan, coords, shape, batch_size, geometry, training, maps_only):
             self._count("collisions")  # the build below overwrites it
             return None, "bad"
         self.policy.record_load(device.type, file_bytes[0], seconds)
@@ -280,7 +283,8 @@ class PlanCache:
         build_seconds, on disk only where the policy finds loading it faster than that.
         identity: of coords, where the caller has it (a derived one: see key.derived_identity)."""
         shape = triple(spatial_shape, "spatial_shape")
-        key = key or self.key(coords, shape, batch_size, geometry, plan.for_training, identity)
+        key = key or self.key(coords, shape, batch_size, geometry, plan.for_training, identity,
+                              plan.maps_only)
         self.memory.put(key, plan)
         store = (self.policy.mode != "never" if build_seconds is None else
                  self.policy.worth_storing(plan.device.type, build_seconds, plan_nbytes(plan)))
@@ -302,7 +306,7 @@ class PlanCache:
 
     def _build(self, key, coords, shape, batch_size, geometry, backend, store: bool,
                training: bool = True, keep: bool | None = True,
-               identity: bytes | None = None) -> ConvPlan:
+               identity: bytes | None = None, maps_only: bool = False) -> ConvPlan:
         """Build, count, and cache: on disk (store) and in memory: the LRU (store or keep), the
         ring of first sightings (keep False), or as MemoryCache.admit decides (keep None)."""
         from ..planner import build_plan
@@ -314,7 +318,7 @@ class PlanCache:
         timed = store or self.policy.build_s_per_unit.get(coords.device.type) is None
         start = time.perf_counter()
         plan = build_plan(coords, shape, batch_size, geometry, backend=backend, check=False,
-                          training=training)
+                          training=training, scheduled=not maps_only)
         if timed:
             _sync(coords.device)
             seconds = time.perf_counter() - start
@@ -337,7 +341,8 @@ class PlanCache:
 
     def get_or_build(self, coords, spatial_shape, batch_size: int, geometry: ConvGeometry, *,
                      backend: str = "auto", check: bool = True, key: str | None = None,
-                     training: bool = True, identity: bytes | None = None) -> ConvPlan:
+                     training: bool = True, identity: bytes | None = None,
+                     scheduled: bool = True) -> ConvPlan:
         """The plan of `geometry` over `coords`: from memory, from disk, or built (once across
         processes sharing the directory) and cached. In mode auto a key's first sighting builds
         and keeps the plan in memory only; the disk is for keys that come back.
@@ -345,14 +350,17 @@ class PlanCache:
         identity: the coordinates' identity (coords_hash, or key.derived_identity for
         coordinates a strided layer made): the key is derived from it, and a plan file records
         it to bind to its key; without key and identity the coordinates are hashed.
-        training: False asks for an inference plan (ConvPlan.for_training; its own key)."""
+        training: False asks for an inference plan (ConvPlan.for_training; its own key).
+        scheduled: False (a pool's request) asks, where the geometry is strided or transposed
+        and training False, for a maps-only plan (ConvPlan.maps_only; its own key)."""
         _check_layout(coords)
+        maps_only = maps_only_request(geometry, training, scheduled)
         shape = triple(spatial_shape, "spatial_shape")
         if check:
             check_coords(coords, shape, batch_size)
         if key is None:  # the key from the identity (hashed here if not given), both kept
             identity = identity if identity is not None else coords_identity(coords)
-            key = self.key(coords, shape, batch_size, geometry, training, identity)
+            key = self.key(coords, shape, batch_size, geometry, training, identity, maps_only)
         else:
             key = _given_key(key)
         plan = self._memory_get(key, coords.device)
@@ -362,9 +370,9 @@ class PlanCache:
             from ..planner import build_plan
 
             return build_plan(coords, shape, batch_size, geometry, backend=backend, check=False,
-                              training=training)
+                              training=training, scheduled=not maps_only)
         args = (key, coords, shape, batch_size, geometry)
-        kind = dict(training=training)
+        kind = dict(training=training, maps_only=maps_only)
         built = dict(kind, identity=identity)
         work = coords.shape[0] * geometry.volume
         if self.policy.mode == "never" or self.policy.build_beats_any_load(coords.device.type, work):

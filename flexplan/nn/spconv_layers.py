@@ -105,14 +105,15 @@ def _record(indice_dict: dict, key, geometry: ConvGeometry, data: IndiceData) ->
     return {**indice_dict, key: data}
 
 
-def strided_plan_and_record(layer, x: SparseConvTensor, training: bool | None = None):
+def strided_plan_and_record(layer, x: SparseConvTensor, training: bool | None = None,
+                            scheduled: bool = True):
     """(plan, the output's Plans, the output's indice_dict) of a strided or transposed conv or
     pool over x: new output coordinates, named from the input's (never hashed), recorded under
-    the layer's indice_key for an inverse conv. training: the plan's kind (default: whether
-    autograd records)."""
+    the layer's indice_key for an inverse conv. training, scheduled: the plan's kind
+    (tensor_plan; training defaults to whether autograd records)."""
     if training is None:
         training = torch.is_grad_enabled()
-    plan = tensor_plan(x, layer.geometry, training=training)
+    plan = tensor_plan(x, layer.geometry, training=training, scheduled=scheduled)
     plans = Plans(derived_identity(x.coords_identity(), x._spatial_shape, x.batch_size,
                                    layer.geometry))
     indice_dict = _record(x.indice_dict, layer.indice_key, layer.geometry, IndiceData(

@@ -22,6 +22,10 @@ def _check_input(module, x) -> None:
         raise TypeError(f"{type(module).__name__} expects a SparseConvTensor, got "
                         f"{type(x).__name__}")
 
+# Whether the strided pools ask for maps-only plans (ConvPlan.maps_only). False: scheduled
+# inference plans, as before (for A/B runs: scripts/bench_pool.py --ab).
+MAPS_ONLY_PLANS = True
+
 
 class SparsePool(SparseModule):
     """spconv's SparseMaxPool / SparseAvgPool (ndim 3, or 2 / 1 for [N, 3] / [N, 2] indices). subm=True pools each voxel's
@@ -60,11 +64,14 @@ class SparsePool(SparseModule):
         if self.subm:
             return tensor_plan(x, self.geometry, training=torch.is_grad_enabled()), x._plans, \
                 x.indice_dict
-        # The pool's own backward needs only the fwd map (ops.pool.backward_map): an inference
-        # plan, cheaper to build on new coordinates. One an inverse conv may pair with (an
-        # indice_key) is a training plan, which that conv's own backward needs.
+        # The pool's own backward needs only the fwd map (ops.pool.backward_map), and its
+        # kernels read the map in its own row order: a maps-only plan, the cheapest to build on
+        # new coordinates. One an inverse conv may pair with (an indice_key) is a training
+        # plan when autograd records, which that conv's own backward needs (an inverse conv
+        # under no_grad reads the fwd map transposed, which a maps-only plan has).
         return strided_plan_and_record(
-            self, x, training=torch.is_grad_enabled() and self.indice_key is not None)
+            self, x, training=torch.is_grad_enabled() and self.indice_key is not None,
+            scheduled=not MAPS_ONLY_PLANS)
 
     def extra_repr(self) -> str:
         s = f"kernel_size={self.kernel_size}, stride={self.stride}"

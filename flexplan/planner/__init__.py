@@ -9,7 +9,7 @@ from ..device_guard import on_device_of
 from ..geometry import ConvGeometry, triple
 from ..graph_capture import capturing
 from ..kernel_configs import PLAN_BLOCK_SIZES
-from ..plan import ConvPlan, mirrored_signal_offsets, signal_fields
+from ..plan import ConvPlan, maps_only_request, mirrored_signal_offsets, signal_fields
 from ..coords_check import check_coords, check_coords_layout, raise_coords_problems
 from .generative import generative_plan, output_spatial_shape
 from .generative_triton import generative_plan_triton
@@ -35,13 +35,15 @@ SCHEDULE_INFERENCE_SUBM = True
 
 def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: int,
                geometry: ConvGeometry, *, backend: str = "auto", check: bool = True,
-               training: bool = True) -> ConvPlan:
+               training: bool = True, scheduled: bool = True) -> ConvPlan:
     """Build the execution plan of one sparse convolution over `coords`.
 
     backend: "triton" (GPU hash table), "torch" (sort + searchsorted; the CPU path and test
     oracle) or "auto" (Triton on a GPU, torch elsewhere). Both give identical plans.
     check: validate coords (range, duplicates) first; pass False for coords already checked.
     training: False builds an inference plan (ConvPlan.for_training): no backward parts.
+    scheduled: False (with training False, strided or transposed) builds a maps-only plan
+    (ConvPlan.maps_only: no schedule of the fwd map), what pools read.
     The Triton path checks within the build (its hash inserts see both problems) and reads the
     verdict in the build's one host sync, raising the same errors as check_coords.
     """
@@ -52,17 +54,19 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
     if backend == "auto":
         backend = "triton" if coords.is_cuda else "torch"
     with on_device_of(coords):
-        return _build_plan(coords, shape, batch_size, geometry, backend, check, training)
+        return _build_plan(coords, shape, batch_size, geometry, backend, check, training,
+                           maps_only_request(geometry, training, scheduled))
 
 
-def _build_plan(coords, shape, batch_size, geometry, backend, check, training) -> ConvPlan:
+def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
+                maps_only: bool) -> ConvPlan:
     if not geometry.submanifold:
         if check:
             check_coords(coords, shape, batch_size)
         if backend == "torch" or coords.shape[0] == 0:
-            return generative_plan(coords, shape, batch_size, geometry, training)
+            return generative_plan(coords, shape, batch_size, geometry, training, maps_only)
         return generative_plan_triton(coords, shape, output_spatial_shape(shape, geometry),
-                                      batch_size, geometry, training)
+                                      batch_size, geometry, training, maps_only)
     signal_offsets = mirrored_signal_offsets(geometry.volume) if training else 0
     if backend == "torch":
         if check:

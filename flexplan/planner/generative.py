@@ -67,11 +67,13 @@ def _candidates(coords: torch.Tensor, geometry: ConvGeometry, out_shape) -> tupl
 
 
 def generative_plan(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batch_size: int,
-                    geometry: ConvGeometry, training: bool = True) -> ConvPlan:
+                    geometry: ConvGeometry, training: bool = True,
+                    maps_only: bool = False) -> ConvPlan:
     """Plan of a strided or transposed convolution (geometry.submanifold is False).
 
     Output coords are the distinct candidates in ascending (b, x, y, z) order. training=False:
-    an inference plan (no bwd map, no valid_signal pairs).
+    an inference plan (no bwd map, no valid_signal pairs); maps_only (with training False):
+    its fwd map unscheduled too (ConvPlan.maps_only, a pool's plan).
     """
     if geometry.submanifold:
         raise ValueError("generative_plan is for non-submanifold geometries")
@@ -79,11 +81,11 @@ def generative_plan(coords: torch.Tensor, spatial_shape: tuple[int, int, int], b
     return plan_from_candidates(
         coords, tuple(spatial_shape), out_shape, batch_size, geometry, training,
         pack=lambda c: pack_coords(c, out_shape, batch_size),
-        unpack=lambda k: unpack_keys(k, out_shape))
+        unpack=lambda k: unpack_keys(k, out_shape), maps_only=maps_only and not training)
 
 
 def plan_from_candidates(coords, shape, out_shape, batch_size, geometry, training: bool,
-                         pack, unpack) -> ConvPlan:
+                         pack, unpack, maps_only: bool = False) -> ConvPlan:
     """The plan whose outputs are the distinct (input row, tap) candidates on out_shape, in
     ascending key order (pack / unpack: the coordinates' key packing, 3D here or 4D in
     plan4d.py); the maps straight from the candidates."""
@@ -97,7 +99,11 @@ def plan_from_candidates(coords, shape, out_shape, batch_size, geometry, trainin
         bwd = torch.full((n_in, v), MISSING, dtype=torch.int32, device=coords.device)
         bwd[rows, taps] = out_rows.to(torch.int32)
         bwd_map = gather_map(bwd, PLAN_BLOCK_SIZES)
-    fwd_map, signal, _ = plan_schedule(fwd, PLAN_BLOCK_SIZES, signal_offsets=v if training else 0)
+    if maps_only:
+        fwd_map, signal = unscheduled_map(fwd), None
+    else:
+        fwd_map, signal, _ = plan_schedule(fwd, PLAN_BLOCK_SIZES,
+                                           signal_offsets=v if training else 0)
     return ConvPlan(
         geometry=geometry, batch_size=batch_size, in_spatial_shape=shape,
         out_spatial_shape=out_shape, num_in=n_in, num_out=n_out,

@@ -34,6 +34,7 @@ from ..launcher import launch
 from ..plan import MISSING, ConvPlan, signal_fields
 from .keys import key_dtype
 from .rank_sort import CANDIDATES, rank_sorter
+from .segments import unscheduled_map
 from .segments_triton import plan_schedule_triton, readback_bound, schedule_layout
 
 CANDIDATES_LAUNCH = dict(BLOCK=64, num_warps=2)
@@ -116,9 +117,11 @@ def launch_transpose_map(run, fwd: INT32, bwd: INT32, entries: SIZE, v: int) -> 
 
 def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
                            out_shape: tuple[int, int, int], batch_size: int,
-                           geometry: ConvGeometry, training: bool = True) -> ConvPlan:
+                           geometry: ConvGeometry, training: bool = True,
+                           maps_only: bool = False) -> ConvPlan:
     """The plan of generative.generative_plan on a GPU (coords already checked); training=False:
-    an inference plan (no bwd map and schedule, no pairs; the sync reads just the totals)."""
+    an inference plan (no bwd map and schedule, no pairs; the sync reads just the totals);
+    maps_only (with training False): no fwd schedule either (a pool's plan)."""
     device = coords.device
     coords = coords.contiguous()
     n, v = coords.shape[0], geometry.volume
@@ -157,8 +160,11 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
             launch_scatter(launch, *scatter, fwd, fwd, out_coords, total, n, *out_shape, slots,
                            v, sent, True)
     del scatter, sorted_keys, order, rank, taps
-    fwd_map, signal, _ = plan_schedule_triton(fwd, PLAN_BLOCK_SIZES, v if training else 0,
-                                              readback[fwd_at:state_at], pairs_total=pairs)
+    if maps_only and not training:  # (its fwd slots of the readback stay unread)
+        fwd_map, signal = unscheduled_map(fwd), None
+    else:
+        fwd_map, signal, _ = plan_schedule_triton(fwd, PLAN_BLOCK_SIZES, v if training else 0,
+                                                  readback[fwd_at:state_at], pairs_total=pairs)
     return ConvPlan(
         geometry=geometry, batch_size=batch_size, in_spatial_shape=tuple(spatial_shape),
         out_spatial_shape=out_shape, num_in=n, num_out=n_out, out_coords=out_coords, fwd=fwd_map,

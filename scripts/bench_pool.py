@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -23,7 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-pool-"))
 
 import flexplan.nn.spconv as fx  # noqa: E402
-from flexplan.nn import spconv_pool  # noqa: E402
 from flexplan.cache import plan_cache  # noqa: E402
 from bench_common import host_launch_us, sorted_rows, time_paired, today  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
@@ -34,27 +32,12 @@ LAYERS = [("max 2/2", "SparseMaxPool3d", (2, 2)), ("max 3/2 p1", "SparseMaxPool3
           ("avg 2/2", "SparseAvgPool3d", (2, 2))]
 
 
-def scheduled_plans(step):
-    """step, with the pools asking for scheduled inference plans (the A/B's other side)."""
-    def run(b):
-        spconv_pool.MAPS_ONLY_PLANS = False
-        try:
-            step(b)
-        finally:
-            spconv_pool.MAPS_ONLY_PLANS = True
-    return run
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--channels", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--ab", action="store_true",
-                        help="also time flexplan with scheduled pool plans (flexplan.nn."
-                             "spconv_pool.MAPS_ONLY_PLANS False) in the same pairs, and add the "
-                             "column scheduled / maps-only (paired; above 1: maps-only faster)")
     args = parser.parse_args()
     import spconv
     import spconv.pytorch as sp
@@ -83,9 +66,6 @@ def main() -> None:
              "", "| layer | dtype | phase | coords | spconv ms | flexplan ms | speedup "
              "| paired speedup | fp32 outputs equal |",
              "|---|---|---|---|---|---|---|---|---|"]
-    if args.ab:
-        lines[-2] += " scheduled / maps-only |"
-        lines[-1] += "---|"
     print("\n".join(lines))
     for name, cls, layer_args in LAYERS:
         layers = {"spconv": getattr(sp, cls)(*layer_args), "flexplan": getattr(fx, cls)(*layer_args)}
@@ -116,8 +96,6 @@ def main() -> None:
                                 with torch.no_grad():
                                     layer(make(f, i, s, 2))
                         steps[impl] = step
-                    if args.ab:
-                        steps["flexplan-scheduled"] = scheduled_plans(steps["flexplan"])
                     run = batches if coords == "fresh" else [batches[0]] * count
                     if coords == "fresh":  # earlier rows saw these batches: forget them
                         plan_cache.clear(disk=True)
@@ -127,10 +105,6 @@ def main() -> None:
                            f"{ms['spconv']:.3f} | {ms['flexplan']:.3f} | "
                            f"{ms['spconv'] / ms['flexplan']:.2f}x | {timed['ratio']:.2f}x | "
                            f"{same} |")
-                    if args.ab:
-                        times = timed["times"]
-                        row += " {:.2f} |".format(statistics.median(
-                            a / b for a, b in zip(times["flexplan-scheduled"], times["flexplan"])))
                     print(row, flush=True)
                     lines.append(row)
     if args.out:

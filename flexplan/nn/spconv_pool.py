@@ -23,7 +23,7 @@ def _check_input(module, x) -> None:
                         f"{type(x).__name__}")
 
 # Whether the strided pools ask for maps-only plans (ConvPlan.maps_only). False: scheduled
-# inference plans, as before (for A/B runs: scripts/bench_pool.py --ab).
+# inference plans, as before (for A/B runs: scripts/probe_pool_kinds.py).
 MAPS_ONLY_PLANS = True
 
 

@@ -84,8 +84,7 @@ class PendingCount:
 def maps_only_request(geometry: ConvGeometry, training: bool, scheduled: bool) -> bool:
     """Does a request of this kind get a maps-only plan (ConvPlan.maps_only)? Only strided
     inference requests that need no schedule (pools'); a submanifold, transposed or training
-    request is built scheduled whatever it asks. (An inverse conv's plan, transposed, may have
-    an unscheduled fwd map too: it is not a maps-only plan.)"""
+    request is built scheduled whatever it asks."""
     return not scheduled and not training and not geometry.submanifold and not geometry.transposed
 
 
@@ -385,8 +384,12 @@ class ConvPlan:
     @property
     def maps_only(self) -> bool:
         """Built for a pool's request (maps_only_request): no schedule of its fwd map."""
+        # (An inverse conv's plan may have an unscheduled fwd map too: the paired conv's bwd
+        # map. Its bwd map is the paired fwd map, scheduled; a maps-only plan's bwd map, where
+        # its inverse conv made one, is never scheduled: planner.generative.bwd_from_fwd.)
         return (not self.for_training and not self.geometry.submanifold
-                and not self.geometry.transposed and not self.fwd.valid_kernel_seg)
+                and not self.geometry.transposed and not self.fwd.valid_kernel_seg
+                and (self.bwd is None or not self.bwd.valid_kernel_seg))
 
     @property
     def num_pairs(self) -> int:

@@ -66,7 +66,7 @@ class _Steps(threading.local):
 
     def __init__(self):
         self.paths: dict = {}          # node -> path, for the current step (_node)
-        self.recording: list = []      # the current step's requests
+        self.recording: list = []      # the current step's requests (kinds handed out)
         self.kind: tuple | None = None  # the current step's first request, grid and batch size
         self.prefetched: dict = {}     # (node, geometry) -> ConvPlan, until taken
         self.failed: set = set()       # kinds whose prefetch raised: not tried again
@@ -88,15 +88,20 @@ def plan_for(x, geometry: ConvGeometry, training: bool, scheduled: bool = True) 
     node = _node(identity, device, x.grid_shape, x.batch_size)
     path = steps.paths.get(node)
     request = (path, geometry, training, scheduled)
-    if path is None or (steps.recording and request == steps.recording[0]):
+    if path is None or (steps.recording and request == steps.kind[0]):
         request = (), geometry, training, scheduled
         _begin_step(steps, x, node, request)
-    if len(steps.recording) <= MAX_REQUESTS:
-        steps.recording.append(request)
     plan = steps.prefetched.pop((node, geometry), None)  # the layer's tensor keeps it from here
     if plan is None or not plan.serves(training, scheduled):
         plan = _cached(x.coords, x.grid_shape, x.batch_size, geometry, identity, training,
                        scheduled)
+    if len(steps.recording) <= MAX_REQUESTS:
+        # The kind handed out, which may be richer than the one asked (a pool's request given
+        # the conv's plan of its geometry): a step whose prefetch built that richer plan then
+        # records what the step before it did, the other layer's request being served from
+        # the tensor's memo.
+        steps.recording.append((request[0], geometry, training or plan.for_training,
+                                scheduled or not plan.maps_only))
     if not geometry.submanifold:
         child = derived_identity(identity, x.grid_shape, x.batch_size, geometry)
         steps.paths[_node(child, device, plan.out_spatial_shape, x.batch_size)] = (
@@ -150,9 +155,9 @@ def _kind(first: tuple, grid_shape, batch_size: int) -> tuple:
 
 def _remember(steps: _Steps) -> None:
     """The ended step's requests become the sequence of its kind, confirmed if they repeat it."""
-    recording = steps.recording
-    if not recording or len(recording) > MAX_REQUESTS:
+    if not steps.recording or len(steps.recording) > MAX_REQUESTS:
         return
+    recording = _merged(steps.recording)
     kind = steps.kind
     entry = steps.recipes.get(kind)
     if entry is not None and entry[0] == recording:
@@ -162,6 +167,21 @@ def _remember(steps: _Steps) -> None:
         steps.recipes[kind] = [recording, False]
         while len(steps.recipes) > MAX_RECIPES:
             steps.recipes.popitem(last=False)
+
+
+def _merged(recording: list) -> list:
+    """The requests with those of one plan (path and geometry) merged into the richest kind,
+    at the first one's place: one plan per key is built (a pool and a conv of one geometry
+    over the same coordinates share the conv's plan), and a step records the same sequence
+    whether its layers built their plans or found them prefetched."""
+    merged: dict = {}
+    for path, geometry, training, scheduled in recording:
+        was = merged.get((path, geometry))
+        if was is not None:
+            training, scheduled = training or was[0], scheduled or was[1]
+        merged[(path, geometry)] = training, scheduled
+    return [(path, geometry, training, scheduled)
+            for (path, geometry), (training, scheduled) in merged.items()]
 
 
 def _prefetch(steps: _Steps, x, node: tuple, recipe: list) -> None:

@@ -55,16 +55,19 @@ def test_triton_plan_equals_torch_oracle(case, device):
 
 def test_maps_only_plans_equal_the_torch_oracle(device):
     """A pool's maps-only request (training False, scheduled False): the same plan from both
-    backends, with the fwd map in its own row order and no schedule; empty outputs too."""
+    backends, with the fwd map in its own row order and no schedule; no outputs and no inputs
+    too."""
     geom = ConvGeometry.make(3, stride=2, padding=1, submanifold=False)
     coords = random_coords(150, (9, 8, 7), 2, generator=torch.Generator().manual_seed(4))
-    lone = torch.tensor([[0, 6, 6, 6]], dtype=torch.int32)  # no output without padding
-    for c, g in ((coords, geom), (lone, ConvGeometry.make(3, stride=2, submanifold=False))):
-        shape = (9, 8, 7) if c is coords else (7, 7, 7)
+    lone = torch.tensor([[0, 6, 6, 6]], dtype=torch.int32)  # outputs 0..2 cover inputs 0..5
+    none = ConvGeometry.make(2, stride=2, submanifold=False)
+    for c, g, shape, outputs in ((coords, geom, (9, 8, 7), None), (lone, none, (7, 7, 7), 0),
+                                 (lone[:0], none, (7, 7, 7), 0)):
         oracle = build_plan(c, shape, 2, g, backend="torch", training=False, scheduled=False)
         plan = build_plan(c.to(device), shape, 2, g, backend="triton", training=False,
                           scheduled=False)
         assert plan.maps_only and oracle.maps_only and not plan.fwd.block_sizes
+        assert outputs is None or plan.num_out == outputs
         assert_same_plans(oracle, plan)
         scheduled = build_plan(c, shape, 2, g, backend="torch", training=False)
         assert torch.equal(plan.fwd.neighbor_map.cpu(), scheduled.fwd.neighbor_map)

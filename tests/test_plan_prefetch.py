@@ -222,12 +222,58 @@ def test_prefetch_keeps_a_pools_maps_only_request(log, monkeypatch):
     net = spconv.SparseSequential(spconv.SubMConv3d(3, 4, 3, indice_key="subm0"),
                                   spconv.SparseMaxPool3d(3, 2, 1),
                                   spconv.SubMConv3d(4, 4, 3, indice_key="subm1")).double()
-    outs = [run(net, seed, grad=False) for seed in (1, 2)]
+    run(net, seed=1, grad=False)
+    run(net, seed=2, grad=False)
     log.clear()
+    plans = []
+    hook = net[1].register_forward_hook(lambda m, inputs, out: plans.append(
+        inputs[0]._plans.get(m.geometry)))
     out = run(net, seed=3, grad=False)
+    hook.remove()
     assert [(g.submanifold, s) for (_, g, _), s in zip(log, log.scheduled)] == [
         (False, False), (True, True), (True, True)]
+    assert plans[0].maps_only
     monkeypatch.setenv(plan_prefetch.PREFETCH_ENV, "0")
     want = run(net, seed=3, grad=False)
-    assert torch.equal(out.indices, want.indices) and len(outs) == 2
+    assert torch.equal(out.indices, want.indices)
     torch.testing.assert_close(out.features, want.features, rtol=0, atol=0)
+
+
+def test_a_pool_and_a_conv_of_one_geometry_share_one_prefetched_plan(log, monkeypatch):
+    """A pool and a conv of the same geometry over the same coordinates: one plan (the conv's,
+    scheduled) per step, prefetched every step from the third on, and the same outputs as the
+    layers' own builds."""
+    torch.manual_seed(0)
+
+    class Branches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sub = spconv.SubMConv3d(3, 4, 3, indice_key="subm0")
+            self.pool = spconv.SparseMaxPool3d(3, 2, 1)
+            self.down = spconv.SparseConv3d(4, 3, 3, 2, 1)
+
+        def forward(self, x):
+            y = self.sub(x)
+            return self.pool(y), self.down(y)
+
+    net = Branches().double()
+    sub = net.sub
+    per_step = []
+    for seed in range(1, 7):
+        log.clear()
+        first_conv = []
+        hook = sub.register_forward_hook(lambda *a: first_conv.append(len(log)))
+        with torch.no_grad():
+            pooled, convolved = net(sparse_input((5, 6, 5), batch_size=1, seed=seed))
+        hook.remove()
+        per_step.append((len(log), first_conv[0]))
+    # Steps 1-2: each layer asks as it runs (the submanifold conv before the hook fires; the
+    # pool its maps-only plan, the conv a scheduled one); from step 3 the step's two plans are
+    # prefetched at its first request, the conv's serving the pool too.
+    assert per_step[:2] == [(3, 1), (3, 1)] and per_step[2:] == [(2, 2)] * 4, per_step
+    monkeypatch.setenv(plan_prefetch.PREFETCH_ENV, "0")
+    with torch.no_grad():
+        want = net(sparse_input((5, 6, 5), batch_size=1, seed=6))
+    for got, ref in zip((pooled, convolved), want):
+        assert torch.equal(got.indices, ref.indices)
+        torch.testing.assert_close(got.features, ref.features, rtol=0, atol=0)

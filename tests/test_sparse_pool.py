@@ -246,7 +246,7 @@ def test_pool_layers_build_maps_only_plans(device, tmp_path):
     the torch oracle's, on either backend; a conv of the same geometry over the same tensor gets
     a scheduled plan instead (which then serves the pool too); a pool with an indice_key under
     no_grad pairs with an inverse conv; the plan ships through save_plans / load_plans."""
-    from flexplan.cache import PlanCache, plan_cache
+    from flexplan.cache import PlanCache
     from flexplan.planner.segments import unscheduled_map
 
     gen = torch.Generator().manual_seed(21)
@@ -260,12 +260,16 @@ def test_pool_layers_build_maps_only_plans(device, tmp_path):
     assert torch.equal(maps.fwd.neighbor_map, oracle.fwd.neighbor_map)
     assert torch.equal(maps.fwd.sorted_idx, unscheduled_map(oracle.fwd.neighbor_map).sorted_idx)
     # What a request gets: training, submanifold and transposed requests stay scheduled.
-    assert not build_plan(coords, SHAPE, 2, geom, scheduled=False).maps_only
-    assert not build_plan(coords, SHAPE, 2, ConvGeometry.submanifold_conv(3), training=False,
-                          scheduled=False).maps_only
-    assert not build_plan(coords, SHAPE, 2, ConvGeometry.make(2, 1, 2, 0, submanifold=False,
-                                                              transposed=True),
-                          training=False, scheduled=False).maps_only
+    up = ConvGeometry.make(2, 1, 2, 0, submanifold=False, transposed=True)
+    for g, training in ((geom, True), (ConvGeometry.submanifold_conv(3), False), (up, False)):
+        assert build_plan(coords, SHAPE, 2, g, training=training, scheduled=False).fwd.block_sizes
+    # An inverse conv's plan over an inference plan of a transposed conv has an unscheduled fwd
+    # map (the paired bwd map, SCHEDULE_INVERSE_MAPS off) and is no maps-only plan.
+    from flexplan.planner.generative import inverse_plan
+
+    paired = build_plan(coords, SHAPE, 2, up, training=False)
+    inverse = inverse_plan(paired, coords)
+    assert not inverse.fwd.block_sizes and not inverse.maps_only
     assert maps.serves(False, scheduled=False) and not maps.serves(False) and not maps.serves(True)
     assert oracle.serves(False, scheduled=False)
 
@@ -310,4 +314,3 @@ def test_pool_layers_build_maps_only_plans(device, tmp_path):
     assert [loaded[k].maps_only for k in keys] == [True, False]
     served = server.get_or_build(coords, SHAPE, 2, geom, training=False, scheduled=False)
     assert served is loaded[keys[0]] and server.stats().get("builds", 0) == 0
-    assert plan_cache is not server

@@ -143,7 +143,7 @@ def bwd_from_fwd(plan: ConvPlan) -> ConvPlan:
             bwd = transposed_map_triton(fwd, plan.num_in)
         else:
             bwd = transposed_map_torch(fwd, plan.num_in)
-        if SCHEDULE_INVERSE_MAPS:
+        if SCHEDULE_INVERSE_MAPS and not plan.maps_only:  # (a maps-only plan stays one)
             bwd_map, _, _ = plan_schedule(bwd, PLAN_BLOCK_SIZES, signal_offsets=0, pairs_total=0)
         else:
             bwd_map = unscheduled_map(bwd)

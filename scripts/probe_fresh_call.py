@@ -20,6 +20,7 @@ os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-fr
 
 import flexplan.nn.spconv as fx  # noqa: E402
 from bench_2d import bev  # noqa: E402
+from flexplan.ops import sparse_conv  # noqa: E402
 from flexplan.plan_provider import tensor_plan  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
 
@@ -44,7 +45,7 @@ def main() -> None:
     print(torch.cuda.get_device_name())
     for name, (batches, layer, peer) in cases.items():
         parts = {k: [] for k in ("tensor", "plan", "conv", "gpu wait", "flexplan call",
-                                 "spconv call", "second conv")}
+                                 "spconv call", "second conv", "op alone", "floor")}
         for k, (f, i, s) in enumerate(batches):
             with torch.no_grad():
                 torch.cuda.synchronize()
@@ -63,9 +64,20 @@ def main() -> None:
                 layer(x)  # the same plan again: what its first call made is kept
                 t6 = time.perf_counter()
                 torch.cuda.synchronize()
+                # The op without the layer (flexplan.ops.sparse_conv), and a floor: what any
+                # conv call must do on the host (allocate its output, one launch).
+                plan, weight = x._plans.get(layer.geometry), layer.conv_weight()
+                t7 = time.perf_counter()
+                sparse_conv(x.features, plan, weight, None)
+                t8 = time.perf_counter()
+                torch.cuda.synchronize()
+                t9 = time.perf_counter()
+                torch.empty_like(x.features).copy_(x.features)
+                t10 = time.perf_counter()
+                torch.cuda.synchronize()
             if k >= 10:
                 for key, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, t5 - t4,
-                                          t6 - t5)):
+                                          t6 - t5, t8 - t7, t10 - t9)):
                     parts[key].append(v * 1e3)
         print(f"{name}: " + ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in parts.items())
               + " (ms, medians)")

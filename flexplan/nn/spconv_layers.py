@@ -11,6 +11,7 @@ W.permute(0, 4, 1, 2, 3) / W.permute(4, 0, 1, 2, 3).
 """
 from __future__ import annotations
 
+from typing import Callable
 
 import torch
 
@@ -92,17 +93,20 @@ def _check_input(module, x) -> None:
                          f"got features of shape {tuple(x.features.shape)}")
 
 
-def _record(indice_dict: dict, key, geometry: ConvGeometry, data: IndiceData) -> dict:
-    """indice_dict plus `key` -> data; a key already taken must name the same convolution."""
+def _record(indice_dict: dict, key, geometry: ConvGeometry, indices: torch.Tensor,
+            make: Callable[[], IndiceData]) -> dict:
+    """indice_dict plus `key` -> make() (the layer's IndiceData, over input `indices`); a key
+    already taken must name the same convolution. (make: called only for a new key, as every
+    later layer of a submanifold key finds it taken.)"""
     if key is None:
         return indice_dict
     old = indice_dict.get(key)
     if old is not None:
-        if old.plan.geometry != geometry or old.indices.shape != data.indices.shape:
+        if old.plan.geometry != geometry or old.indices.shape != indices.shape:
             raise ValueError(f"indice_key {key!r} already names a different convolution "
                              f"({old.plan.geometry}); give this layer its own key")
         return indice_dict
-    return {**indice_dict, key: data}
+    return {**indice_dict, key: make()}
 
 
 def strided_plan_and_record(layer, x: SparseConvTensor, training: bool | None = None,
@@ -116,9 +120,10 @@ def strided_plan_and_record(layer, x: SparseConvTensor, training: bool | None = 
     plan = tensor_plan(x, layer.geometry, training=training, scheduled=scheduled)
     plans = Plans(derived_identity(x.coords_identity(), x._spatial_shape, x.batch_size,
                                    layer.geometry))
-    indice_dict = _record(x.indice_dict, layer.indice_key, layer.geometry, IndiceData(
-        plan.out_coords, x.coords, x._spatial_shape, plan.out_spatial_shape,
-        is_subm=False, plan=plan, in_plans=x._plans))
+    indice_dict = _record(x.indice_dict, layer.indice_key, layer.geometry, x.coords,
+                          lambda: IndiceData(plan.out_coords, x.coords, x._spatial_shape,
+                                             plan.out_spatial_shape, is_subm=False, plan=plan,
+                                             in_plans=x._plans))
     return plan, plans, indice_dict
 
 
@@ -354,7 +359,8 @@ class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
         out = super().forward(x)
         if self.geometry.volume == 1:  # no neighbours, no plan: the key names nothing (spconv's
             return out                  # 1x1 path ignores it too, and may share a 3x3x3 conv's)
-        out.indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, IndiceData(
+        out.indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, x.coords,
+                                  lambda: IndiceData(
             x.coords, x.coords, x._spatial_shape, x._spatial_shape, is_subm=True,
             plan=tensor_plan(x, self.geometry, training=torch.is_grad_enabled()), in_plans=x._plans))
         return out

@@ -36,10 +36,12 @@ def _plan_and_record(layer, x: SparseConvTensor):
         # key, which may then name a larger conv (as SubMConv3d).
         if layer.indice_key is None or layer.geometry.volume == 1:
             return plan, x._plans, x.indice_dict
-        return plan, x._plans, _record(x.indice_dict, layer.indice_key, layer.geometry, IndiceData(
+        return plan, x._plans, _record(x.indice_dict, layer.indice_key, layer.geometry, x.coords,
+                                       lambda: IndiceData(
             x.coords, x.coords, x._spatial_shape, x._spatial_shape, is_subm=True, plan=plan,
             in_plans=x._plans))
-    return plan, Plans(), _record(x.indice_dict, layer.indice_key, layer.geometry, IndiceData(
+    return plan, Plans(), _record(x.indice_dict, layer.indice_key, layer.geometry, x.coords,
+                                  lambda: IndiceData(
         plan.out_coords, x.coords, x._spatial_shape, plan.out_spatial_shape, is_subm=False,
         plan=plan, in_plans=x._plans))
 

@@ -8,9 +8,9 @@ two steps in a row asked for the same sequence of plans (the same layers over fr
 the next step's first request builds the whole sequence at once, before any of the step's kernels
 or collectives are queued; the layers then find their plans here.
 
-What a step asks is recorded per thread as requests (path, geometry, training, scheduled): path names the
-coordinates by the strided geometries that led from the step's input coordinates to them (the
-input's is ()). A step begins with a request on coordinates the current step did not make, or
+What a step asks is recorded per thread as requests (path, geometry, training, scheduled): path
+names the coordinates by the strided geometries that led from the step's input coordinates to
+them (the input's is ()). A step begins with a request on coordinates the current step did not make, or
 with a repeat of its first request. Nothing here changes which plan a layer gets: prefetched
 plans are keyed by the coordinates' identity, device, grid and batch size and the geometry, as
 the cache keys them, and handed to the first layer that asks (its tensor keeps it). A
@@ -201,8 +201,8 @@ def _prefetch(steps: _Steps, x, node: tuple, recipe: list) -> None:
 
 def _plan_entries(steps: _Steps, x, node: tuple, recipe: list) -> list:
     """The requests of `recipe` that this step's coordinates reach, in order, as (path,
-    geometry, training, scheduled, grid, identity, key): keyed on the host before any is built (a
-    strided request's output coordinates take their identity and grid from its input's), and
+    geometry, training, scheduled, grid, identity, key): keyed on the host before any is built
+    (a strided request's output coordinates take their identity and grid from its input's), and
     their paths noted for the layers (steps.paths)."""
     device, batch_size = x.coords.device, x.batch_size
     sets = {(): (node[0], tuple(x.grid_shape))}  # path -> identity, grid

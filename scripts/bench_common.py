@@ -60,24 +60,27 @@ def sorted_rows(indices, feats):
     return feats[torch.argsort(flat)]
 
 
-def time_steps(step, batches, warmup: int) -> float:
-    """Median ms of step(b) over batches[warmup:], synchronized around each call, after
-    step(b) for the first `warmup` batches."""
-    import statistics
+def time_call(step, b) -> float:
+    """ms of step(b), synchronized before and after (the GPU's work included)."""
     import time
 
     import torch
 
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    step(b)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def time_steps(step, batches, warmup: int) -> float:
+    """Median ms of step(b) over batches[warmup:], synchronized around each call, after
+    step(b) for the first `warmup` batches."""
+    import statistics
+
     for b in batches[:warmup]:
         step(b)
-    times = []
-    for b in batches[warmup:]:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step(b)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median([time_call(step, b) for b in batches[warmup:]])
 
 
 def time_paired(steps: dict, batches, warmup: int, ratio: tuple[str, str] | None = None) -> dict:
@@ -93,9 +96,6 @@ def time_paired(steps: dict, batches, warmup: int, ratio: tuple[str, str] | None
     over the timed batches of times[num][k] / times[den][k]}, where (num, den) = `ratio`, by
     default the first two names of `steps` (None with fewer than two steps)."""
     import statistics
-    import time
-
-    import torch
 
     names = list(steps)
     if not names or not batches[warmup:]:
@@ -113,11 +113,7 @@ def time_paired(steps: dict, batches, warmup: int, ratio: tuple[str, str] | None
     times = {name: [] for name in names}
     for k, b in enumerate(batches[warmup:]):
         for name in order(k):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            steps[name](b)
-            torch.cuda.synchronize()
-            times[name].append((time.perf_counter() - start) * 1e3)
+            times[name].append(time_call(steps[name], b))
     paired = None
     if ratio is not None:
         num, den = ratio

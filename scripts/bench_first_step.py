@@ -45,6 +45,7 @@ def child(args) -> None:
     from flexplan.aot import runtime
     from bench_e2e import MODES, BatchSource, build_model, infer_step_fn, sizes_for, train_step_fn
     from e2e_networks import NETWORKS
+    from bench_common import time_call
 
     device = torch.device("cuda")
     torch.zeros(1, device=device)
@@ -57,23 +58,16 @@ def child(args) -> None:
     net = build_model(NETWORKS[args.network], sp, None, mode, sizes, device)
     step = train_step_fn(net, sp, mode, device)
 
-    def timed(fn, batch) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn(batch)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e3
-
-    times = [timed(step, b) for b in batches[:args.steps]]
+    times = [time_call(step, b) for b in batches[:args.steps]]
     train_compiles = len(compiled)
     infer = infer_step_fn(net, sp, mode, device)
     for b in source.take(3, mode.input_dtype):
-        timed(infer, b)
+        time_call(infer, b)
     infer_compiles = len(compiled) - train_compiles
     same = batches[-1]
     for fn in (train_step_fn(net, sp, mode, device), infer_step_fn(net, sp, mode, device)):
         for _ in range(2):
-            timed(fn, same)
+            time_call(fn, same)
     warm = times[len(times) // 3:]
     result = dict(network=args.network, mode=args.mode, floor_s=floor, first_ms=times[0],
                   second_ms=times[1], steady_ms=statistics.median(warm),

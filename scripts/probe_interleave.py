@@ -14,7 +14,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -22,15 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-interleave-"))
 
 import flexplan.nn.spconv as fx  # noqa: E402
+from bench_common import time_call  # noqa: E402
 from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
-
-
-def timed(call, b) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    call(b)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3
 
 
 def main() -> None:
@@ -52,7 +44,8 @@ def main() -> None:
         return out
 
     layers = {
-        "max 2/2": {"flexplan": (fx, fx.SparseMaxPool3d(2, 2)), "spconv": (sp, sp.SparseMaxPool3d(2, 2))},
+        "max 2/2": {"flexplan": (fx, fx.SparseMaxPool3d(2, 2)),
+                    "spconv": (sp, sp.SparseMaxPool3d(2, 2))},
         "subm 3x3x3 C32": {
             "flexplan": (fx, fx.SubMConv3d(32, 32, 3, bias=False).cuda().half()),
             "spconv": (sp, sp.SubMConv3d(32, 32, 3, bias=False).cuda().half())}}
@@ -71,10 +64,11 @@ def main() -> None:
                                "spconv interleaved")}
         for _ in range(2):
             for impl in ("flexplan", "spconv"):
-                res[f"{impl} alone"] += [timed(calls[impl], b) for b in fresh(args.calls)]
+                res[f"{impl} alone"] += [time_call(calls[impl], b)
+                                         for b in fresh(args.calls)]
             for k, b in enumerate(fresh(args.calls)):
                 for impl in (("flexplan", "spconv") if k % 2 else ("spconv", "flexplan")):
-                    res[f"{impl} interleaved"].append(timed(calls[impl], b))
+                    res[f"{impl} interleaved"].append(time_call(calls[impl], b))
         print(name + ": " + ", ".join(f"{k} {statistics.median(v):.3f} ms" for k, v in res.items()))
 
 

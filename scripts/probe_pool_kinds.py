@@ -36,7 +36,8 @@ def main() -> None:
     feats = [torch.randn(b.indices.shape[0], 32, device=device, dtype=torch.float16)
              for b in batches]
     print(f"{torch.cuda.get_device_name()}; {batches[0].indices.shape[0]} voxels, C 32 fp16")
-    for name, layer in (("max 2/2", fx.SparseMaxPool3d(2, 2)), ("max 3/2 p1", fx.SparseMaxPool3d(3, 2, 1))):
+    for name, layer in (("max 2/2", fx.SparseMaxPool3d(2, 2)),
+                        ("max 3/2 p1", fx.SparseMaxPool3d(3, 2, 1))):
         for phase in ("infer", "train"):
             times = {True: [], False: []}
             for k in range(n):
@@ -57,8 +58,9 @@ def main() -> None:
                     times[maps_only].append((time.perf_counter() - start) * 1e3)
             spconv_pool.MAPS_ONLY_PLANS = True
             ratio = statistics.median(s / m for s, m in zip(times[False], times[True]))
-            print(f"{name} {phase}: maps-only {statistics.median(times[True]):.3f} ms, scheduled "
-                  f"{statistics.median(times[False]):.3f} ms, scheduled / maps-only paired {ratio:.2f}")
+            print(f"{name} {phase}: maps-only {statistics.median(times[True]):.3f} ms, "
+                  f"scheduled {statistics.median(times[False]):.3f} ms, "
+                  f"scheduled / maps-only paired {ratio:.2f}")
 
 
 if __name__ == "__main__":

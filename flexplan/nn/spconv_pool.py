@@ -22,6 +22,7 @@ def _check_input(module, x) -> None:
         raise TypeError(f"{type(module).__name__} expects a SparseConvTensor, got "
                         f"{type(x).__name__}")
 
+
 # Whether the strided pools ask for maps-only plans (ConvPlan.maps_only). False: scheduled
 # inference plans, as before (for A/B runs: scripts/probe_pool_kinds.py).
 MAPS_ONLY_PLANS = True

@@ -558,6 +558,8 @@ def _graph_sparse_conv(feats, plan, weight, bias, algo, allow_tf32):
 # The autocast dtype as the ops take it (a string: "" for none).
 _CAST_NAMES = {None: "", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _CASTS = {name: dtype for dtype, name in _CAST_NAMES.items()}
+
+
 def _op_weight(weight, bias, cast: str):
     """The [Co, V, Ci] weight and the bias the kernels read, in the cast dtype if any."""
     co, ci = weight.shape[0], weight.shape[-1]

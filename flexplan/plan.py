@@ -392,6 +392,14 @@ class ConvPlan:
                 and (self.bwd is None or not self.bwd.valid_kernel_seg))
 
     @property
+    def schedule_deferred(self) -> bool:
+        """A submanifold inference plan built without the masked schedule of its fwd map (a
+        first sighting's, where the plan cache defers it: its convs run the implicit kernels,
+        which need none); planner.scheduled_plan makes the scheduled plan of it."""
+        return (not self.for_training and self.geometry.submanifold and self.num_in > 0
+                and not self.fwd.valid_kernel_seg)
+
+    @property
     def num_pairs(self) -> int:
         """All (input row, output row) pairs of the convolution, mirrored ones included (the
         centre's pairs, one per output row, are their own mirror)."""

@@ -15,11 +15,12 @@ import torch
 
 from . import launcher
 from .graph_capture import capturing, device_constant
-from .kernel_configs import CHUNK_ORDER_MIN_ROWS, SCHEDULE_CHUNK
+from .kernel_configs import CHUNK_ORDER_MIN_ROWS, PLAN_BLOCK_SIZES, SCHEDULE_CHUNK
 from .plan import (GatherMap, chunk_order_torch, kernels_run_on, launch_chunk_order,
                    launch_sorted_map_t, sorted_map_t_torch)
 from .planner.generative import transposed_map_torch
 from .planner.generative_triton import transposed_map_triton
+from .planner.segments import plan_schedule
 
 
 def sorted_map_t(gmap: GatherMap) -> torch.Tensor:
@@ -72,7 +73,24 @@ def transposed_map(gmap: GatherMap, num_in: int) -> torch.Tensor:
         transposed_map_triton if kernels_run_on(nmap) else transposed_map_torch)(nmap, num_in))
 
 
-def _keep(gmap: GatherMap, name: str, view: torch.Tensor) -> torch.Tensor:
+def masked_schedule(gmap: GatherMap) -> GatherMap:
+    """The map with the masked kernels' schedule (rows in Gray order, each block's offsets),
+    for a map built without one (ConvPlan.schedule_deferred, an inverse conv's map) that a
+    convolution big enough to repay the schedule runs over (ops.conv.SCHEDULE_WORK_MIN).
+    Derived on first use (no host sync) and kept with the map object, like sorted_map_t; None
+    during a CUDA graph capture (the sort replays a graph of its own: no schedule made there)."""
+    view = gmap.derived_views.get("masked_schedule")
+    if view is not None:
+        return view
+    nmap = gmap.neighbor_map
+    if capturing(nmap.device):
+        return None
+    backend = "triton" if kernels_run_on(nmap) else "torch"
+    return _keep(gmap, "masked_schedule", plan_schedule(nmap, PLAN_BLOCK_SIZES, backend,
+                                                        signal_offsets=0, pairs_total=0)[0])
+
+
+def _keep(gmap: GatherMap, name: str, view):
     """view, kept with the map object as its derived view `name`, unless it was made during a
     CUDA graph capture (graph_capture: never kept from a capture)."""
     if not capturing(gmap.neighbor_map.device):

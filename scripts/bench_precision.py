@@ -8,7 +8,7 @@ step by step, so a ratio compares steps taken milliseconds apart.
 
 Usage (GPU): python3 scripts/bench_precision.py [--steps 30] [--warmup 8]
              [--networks encoder,unet] [--phases train,infer] [--coords fresh,same]
-             [--variants flexplan-fused]
+             [--variants flexplan-fused] [--base flexplan/fp16,spconv/fp16]
 Writes scripts/results/bench_precision.md.
 """
 from __future__ import annotations
@@ -47,9 +47,15 @@ VARIANTS = {"flexplan-fused": {"fuse": True},
             # inference inverse convs over scheduled bwd maps (masked kernels), as before
             "flexplan-scheduled-inverse": {"settings": (
                 ("flexplan.planner.generative", "SCHEDULE_INVERSE_MAPS", True),)},
-            # submanifold inference plans without the masked schedule (implicit kernels)
-            "flexplan-unscheduled-subm": {"settings": (
-                ("flexplan.planner", "SCHEDULE_INFERENCE_SUBM", False),)},
+            # submanifold inference plans scheduled at their first sighting, as before
+            # (plan_cache.DEFER_FIRST_SCHEDULE)
+            "flexplan-scheduled-first-sightings": {"settings": (
+                ("flexplan.cache.plan_cache", "DEFER_FIRST_SCHEDULE", False),)},
+            # the conv op's host path at its floor: each part (forward, grad-input, grad-weight)
+            # one allocation and one fill, no kernel of its own (what a conv op in C++ could
+            # at best leave of the Python op's host time; its outputs are zeros)
+            "flexplan-floor-conv": {"settings": (
+                ("flexplan.nn.spconv_layers", "sparse_conv", lambda *a, **k: _floor_conv(*a, **k)),)},
             "flexplan-no-graph-ops": {"settings": (
                 ("flexplan.plan", "_register_token", lambda plan: None),
                 ("flexplan.nn.spconv_layers", "sparse_conv",
@@ -71,11 +77,36 @@ VARIANT_RATIOS = {
                                 ("flexplan-recorded-order", "fp16"), ("flexplan", "fp16")),
     "flexplan-scheduled-inverse": ("flexplan scheduled inverse maps / flexplan fp16",
                                    ("flexplan-scheduled-inverse", "fp16"), ("flexplan", "fp16")),
-    "flexplan-unscheduled-subm": ("flexplan unscheduled subm / flexplan fp16",
-                                  ("flexplan-unscheduled-subm", "fp16"), ("flexplan", "fp16")),
+    "flexplan-scheduled-first-sightings": ("flexplan scheduled first sightings / flexplan fp16",
+                                           ("flexplan-scheduled-first-sightings", "fp16"),
+                                           ("flexplan", "fp16")),
+    "flexplan-floor-conv": ("flexplan with a floor conv op / flexplan fp16",
+                            ("flexplan-floor-conv", "fp16"), ("flexplan", "fp16")),
     "flexplan-no-graph-ops": ("flexplan without graph-op costs / flexplan fp16",
                               ("flexplan-no-graph-ops", "fp16"), ("flexplan", "fp16")),
 }
+
+
+class _FloorConv(torch.autograd.Function):
+    """A conv's shapes at the least host cost: zeros out, zeros gradients."""
+
+    @staticmethod
+    def forward(ctx, feats, weight, bias, num_out):
+        ctx.n_in, ctx.has_bias = feats.shape[0], bias is not None
+        ctx.weight_shape = weight.shape
+        return feats.new_zeros(num_out, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_bias = grad_out.new_zeros(ctx.weight_shape[0]) if ctx.has_bias else None
+        return (grad_out.new_zeros(ctx.n_in, ctx.weight_shape[-1]),
+                grad_out.new_zeros(ctx.weight_shape), grad_bias, None)
+
+
+def _floor_conv(feats, plan, weight, bias=None, algo="auto", allow_tf32=False):
+    if torch.is_grad_enabled():
+        return _FloorConv.apply(feats, weight, bias, plan.num_out)
+    return feats.new_zeros(plan.num_out, weight.shape[0])
 
 
 def with_settings(step, settings):
@@ -106,6 +137,8 @@ def parse_args():
     p.add_argument("--coords", default="fresh,same")
     p.add_argument("--variants", default="flexplan-fused",
                    help="comma-separated flexplan fp16 variants to run too: " + ", ".join(VARIANTS))
+    p.add_argument("--base", default=",".join(f"{i}/{m}" for i, m in BASE_RUNS),
+                   help="comma-separated library/mode runs (default: all)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     for name in ("networks", "phases", "coords", "variants"):
@@ -114,7 +147,10 @@ def parse_args():
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}; choose from {sorted(VARIANTS)}")
-    args.runs = BASE_RUNS + tuple((v, "fp16") for v in args.variants)
+    base = tuple(tuple(r.split("/")) for r in args.base.split(",") if r)
+    if set(base) - set(BASE_RUNS):
+        p.error(f"unknown runs {sorted(set(base) - set(BASE_RUNS))}; choose from {BASE_RUNS}")
+    args.runs = base + tuple((v, "fp16") for v in args.variants)
     args.ratios = BASE_RATIOS + tuple(VARIANT_RATIOS[v] for v in args.variants)
     return args
 

@@ -245,28 +245,77 @@ def test_inference_inverse_conv_over_an_unscheduled_map(device, monkeypatch, tmp
                         for key in keys)
 
 
-def test_unscheduled_submanifold_inference_plans(device, monkeypatch):
-    """Submanifold inference builds without the masked schedule (planner.SCHEDULE_INFERENCE_SUBM
-    False): maps with their rows in their own order and no blocks, convs through the implicit
-    kernel, the same outputs as over training plans."""
-    import flexplan.nn.spconv as spconv
-    import flexplan.planner as planner
+@pytest.mark.parametrize("defer", [True, False])
+def test_submanifold_inference_schedule_deferred_to_second_sighting(device, monkeypatch, defer):
+    """A submanifold inference plan's first sighting is built without the masked schedule
+    (plan_cache.DEFER_FIRST_SCHEDULE): rows in their own order, no blocks, convs through the
+    implicit kernel, the same outputs as over training plans. The same coordinates asked again
+    get the plan scheduled, equal to a scheduled build's; switched off, scheduled at once."""
+    import importlib
 
-    monkeypatch.setattr(planner, "SCHEDULE_INFERENCE_SUBM", False)
+    import flexplan.nn.spconv as spconv
+    from flexplan.cache import plan_cache as cache
+
+    # (the module, not the package's PlanCache instance of the same name)
+    monkeypatch.setattr(importlib.import_module("flexplan.cache.plan_cache"),
+                        "DEFER_FIRST_SCHEDULE", defer)
     monkeypatch.setenv("FLEXPLAN_PLAN_PREFETCH", "0")
-    coords = random_coords(250, (12, 11, 10), 2, generator=torch.Generator().manual_seed(20))
+    coords = random_coords(250, (12, 11, 10), 2, generator=torch.Generator().manual_seed(20 + defer))
     coords = coords.to(device)
     net = spconv.SparseSequential(
         spconv.SubMConv3d(3, 4, 3, indice_key="s1"), spconv.SparseConv3d(4, 5, 3, 2, 1, indice_key="d"),
         spconv.SubMConv3d(5, 5, 3, indice_key="s2"), spconv.SparseInverseConv3d(5, 3, 3, indice_key="d"),
         spconv.SubMConv3d(3, 2, 3, indice_key="s1")).double().to(device)
     feats = torch.randn(coords.shape[0], 3, dtype=torch.float64, device=device)
-    with torch.no_grad():
-        x = spconv.SparseConvTensor(feats, coords, (12, 11, 10), 2)
-        out = net(x)
-    subm_plan = out.find_indice_pair("s1").plan
-    strided_plan = out.find_indice_pair("d").plan
-    assert not subm_plan.for_training and not strided_plan.for_training
-    assert not subm_plan.fwd.block_sizes and strided_plan.fwd.block_sizes
     ref = net(spconv.SparseConvTensor(feats, coords, (12, 11, 10), 2))  # training plans
-    torch.testing.assert_close(out.features, ref.features, rtol=1e-10, atol=1e-10)
+    before = cache.stats().get("deferred_schedules", 0)
+    plans = []
+    for sighting in range(3):
+        with torch.no_grad():
+            out = net(spconv.SparseConvTensor(feats, coords, (12, 11, 10), 2))
+        torch.testing.assert_close(out.features, ref.features, rtol=1e-10, atol=1e-10)
+        subm_plan = out.find_indice_pair("s1").plan
+        strided_plan = out.find_indice_pair("d").plan
+        assert not subm_plan.for_training and not strided_plan.for_training
+        assert strided_plan.fwd.block_sizes
+        assert bool(subm_plan.fwd.block_sizes) == (sighting > 0 or not defer)
+        assert subm_plan.schedule_deferred == (sighting == 0 and defer)
+        plans.append(subm_plan)
+    # scheduled once (the second sighting), kept for the third: s1's plan and s2's (over the
+    # strided conv's output coordinates, a derived key)
+    assert cache.stats().get("deferred_schedules", 0) - before == (2 if defer else 0)
+    assert plans[2] is plans[1]
+    built = build_plan(coords, (12, 11, 10), 2, plans[1].geometry, training=False)
+    assert torch.equal(plans[1].fwd.sorted_idx, built.fwd.sorted_idx)
+    assert plans[1].fwd.block_sizes == built.fwd.block_sizes
+    for block in built.fwd.block_sizes:
+        assert torch.equal(plans[1].fwd.valid_kernel_seg[block], built.fwd.valid_kernel_seg[block])
+        assert torch.equal(plans[1].fwd.kernel_offsets(block), built.fwd.kernel_offsets(block))
+
+
+@pytest.mark.parametrize("big", [True, False])
+def test_big_convolution_schedules_a_deferred_map(device, monkeypatch, big):
+    """A convolution over a map without its schedule (a first sighting's submanifold inference
+    map) that reaches ops.conv.SCHEDULE_WORK_MIN has the schedule made (kept with the map) and
+    runs the masked kernel; a smaller one runs the implicit kernel. Same result either way, equal
+    to the float64 result over a scheduled plan."""
+    from flexplan.ops import conv as conv_ops
+    from flexplan.ops.conv import sparse_conv
+
+    geometry = ConvGeometry.make(3)
+    coords = random_coords(300, (10, 9, 8), 2, generator=torch.Generator().manual_seed(31)).to(device)
+    deferred = build_plan(coords, (10, 9, 8), 2, geometry, training=False, scheduled=False)
+    scheduled = build_plan(coords, (10, 9, 8), 2, geometry, training=False)
+    assert deferred.schedule_deferred and not scheduled.schedule_deferred
+    monkeypatch.setattr(conv_ops, "SCHEDULE_WORK_MIN", 1 if big else 1 << 62)
+    feats = torch.randn(coords.shape[0], 5, dtype=torch.float64, device=device)
+    weight = torch.randn(6, 3, 3, 3, 5, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        out = sparse_conv(feats, deferred, weight, algo="masked")
+        ref = sparse_conv(feats, scheduled, weight, algo="masked")
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    made = deferred.fwd.derived_views.get("masked_schedule")
+    assert (made is not None) == big
+    if big:
+        assert made.block_sizes == scheduled.fwd.block_sizes
+        assert torch.equal(made.sorted_idx, scheduled.fwd.sorted_idx)

@@ -259,10 +259,14 @@ def test_pool_layers_build_maps_only_plans(device, tmp_path):
     assert torch.equal(maps.out_coords, oracle.out_coords)
     assert torch.equal(maps.fwd.neighbor_map, oracle.fwd.neighbor_map)
     assert torch.equal(maps.fwd.sorted_idx, unscheduled_map(oracle.fwd.neighbor_map).sorted_idx)
-    # What a request gets: training, submanifold and transposed requests stay scheduled.
+    # What a request gets: training and transposed requests stay scheduled; a submanifold
+    # inference one has its schedule deferred (no maps-only plan: its key is a scheduled one's).
     up = ConvGeometry.make(2, 1, 2, 0, submanifold=False, transposed=True)
-    for g, training in ((geom, True), (ConvGeometry.submanifold_conv(3), False), (up, False)):
+    for g, training in ((geom, True), (up, False)):
         assert build_plan(coords, SHAPE, 2, g, training=training, scheduled=False).fwd.block_sizes
+    deferred = build_plan(coords, SHAPE, 2, ConvGeometry.submanifold_conv(3), training=False,
+                          scheduled=False)
+    assert deferred.schedule_deferred and not deferred.maps_only and not deferred.fwd.block_sizes
     # An inverse conv's plan over an inference plan of a transposed conv has an unscheduled fwd
     # map (the paired bwd map, SCHEDULE_INVERSE_MAPS off) and is no maps-only plan.
     from flexplan.planner.generative import inverse_plan

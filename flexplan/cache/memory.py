@@ -91,6 +91,11 @@ class MemoryCache:
             if len(self._recent) > RECENT_PLANS:
                 self._recent.popitem(last=False)
 
+    def was_seen(self, key: str, device: torch.device) -> bool:
+        """Whether admit has kept a plan of (key, device) before (it notes the key)."""
+        with self._lock:
+            return (key, device) in self._seen
+
     def admit(self, key: str, plan: ConvPlan) -> None:
         """Keep a plan just built: in the LRU if its key was seen before (its plan dropped from
         the ring or evicted), else in the ring of recent ones."""

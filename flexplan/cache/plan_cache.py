@@ -29,6 +29,14 @@ from .memory import MemoryCache
 from .policy import Policy, check_mode
 
 
+# Whether a submanifold inference plan's first sighting is built without the masked schedule
+# of its map (ConvPlan.schedule_deferred), scheduled when its key comes back. Coordinates
+# seen once (a fresh scan per request) skip the schedule's sort and launches, host time in a
+# host-bound step, and run the implicit kernels; repeated ones get the masked kernels from
+# their second sighting on (scripts/results/bench_precision.md, session 39).
+DEFER_FIRST_SCHEDULE = True
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -306,9 +314,11 @@ class PlanCache:
 
     def _build(self, key, coords, shape, batch_size, geometry, backend, store: bool,
                training: bool = True, keep: bool | None = True,
-               identity: bytes | None = None, maps_only: bool = False) -> ConvPlan:
+               identity: bytes | None = None, maps_only: bool = False,
+               deferred: bool = False) -> ConvPlan:
         """Build, count, and cache: on disk (store) and in memory: the LRU (store or keep), the
-        ring of first sightings (keep False), or as MemoryCache.admit decides (keep None)."""
+        ring of first sightings (keep False), or as MemoryCache.admit decides (keep None).
+        deferred: a submanifold inference plan without its schedule (ConvPlan.schedule_deferred)."""
         from ..planner import build_plan
 
         self._count("misses")
@@ -318,7 +328,7 @@ class PlanCache:
         timed = store or self.policy.build_s_per_unit.get(coords.device.type) is None
         start = time.perf_counter()
         plan = build_plan(coords, shape, batch_size, geometry, backend=backend, check=False,
-                          training=training, scheduled=not maps_only)
+                          training=training, scheduled=not (maps_only or deferred))
         if timed:
             _sync(coords.device)
             seconds = time.perf_counter() - start
@@ -365,7 +375,7 @@ class PlanCache:
             key = _given_key(key)
         plan = self._memory_get(key, coords.device)
         if plan is not None:
-            return plan
+            return self._served(key, plan)
         if capturing(coords.device):  # made for the capture alone (graph_capture.py)
             from ..planner import build_plan
 
@@ -375,21 +385,38 @@ class PlanCache:
         kind = dict(training=training, maps_only=maps_only)
         built = dict(kind, identity=identity)
         work = coords.shape[0] * geometry.volume
+        # A first sighting's submanifold inference plan: its schedule deferred (DEFER_FIRST_SCHEDULE)
+        deferrable = DEFER_FIRST_SCHEDULE and geometry.submanifold and not training
         if self.policy.mode == "never" or self.policy.build_beats_any_load(coords.device.type, work):
-            return self._build(*args, backend, store=False, keep=None, **built)
+            deferred = deferrable and not self.memory.was_seen(key, coords.device)
+            return self._build(*args, backend, store=False, keep=None, deferred=deferred, **built)
         if self.policy.mode == "auto" and not self.admission.seen_before(key):
             # Likely never back: no file read, no lock, no write, no LRU entry.
             self._count("first_sightings")
-            return self._build(*args, backend, store=False, keep=False, **built)
+            return self._build(*args, backend, store=False, keep=False, deferred=deferrable,
+                               **built)
         plan, why = self._load(*args, locked=False, **kind)
         if plan is not None:
-            return plan
+            return self._served(key, plan)
         if why == "skipped":  # on disk already, but rebuilding is faster here
             return self._build(*args, backend, store=False, **built)
         with self.disk.build_lock(key):
             plan, why = self._load(*args, locked=True, **kind)  # the previous holder may have stored it
-            return plan if plan is not None else self._build(*args, backend,
-                                                             store=why != "skipped", **built)
+            return self._served(key, plan) if plan is not None else self._build(
+                *args, backend, store=why != "skipped", **built)
+
+    def _served(self, key: str, plan: ConvPlan) -> ConvPlan:
+        """A cached plan as a lookup hands it out: one whose schedule was deferred (a first
+        sighting's) comes back scheduled, for this and every later lookup of its key."""
+        if not plan.schedule_deferred:
+            return plan
+        from ..planner import scheduled_plan
+
+        self._count("deferred_schedules")
+        scheduled = scheduled_plan(plan)
+        self.memory.replace(key, plan, scheduled)
+        self._remember(key, scheduled, self._identity_of(key, plan))
+        return scheduled
 
     # ---- shipping plans with a model -----------------------------------------------------
     def save_plans(self, directory: str | os.PathLike,

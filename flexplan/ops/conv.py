@@ -183,9 +183,14 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     if algo == "explicit":
         return _explicit_gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
     if not gmap.valid_kernel and algo.startswith("masked"):
-        # a map without a schedule (an inference plan's inverse, planner.generative): the
-        # implicit kernel over every offset, split as asked
-        algo = "implicit" + algo.removeprefix("masked")
+        # A map without a schedule (a first sighting's submanifold inference map, an inference
+        # plan's inverse): a big convolution schedules it (kept with the map), a small one runs
+        # the implicit kernel over every offset, split as asked.
+        scheduled = masked_schedule_for(gmap, m * v * k * n)
+        if scheduled is None:
+            algo = "implicit" + algo.removeprefix("masked")
+        else:
+            gmap = scheduled
     out = src.new_empty((m, n))
     cfg, masked, map_t, chunks, valid_kernel, valid_kernel_seg, dtype, hip = _kept_launch(
         gmap, (part, algo, k, n, v, src.dtype, allow_tf32), src.device,
@@ -203,6 +208,21 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
                        gmap.sorted_idx, chunks, valid_kernel, valid_kernel_seg, out, partials,
                        tile_counts, m, k, n, v, cfg, masked, reverse, bias is not None, dtype, hip)
     return out
+
+
+# The multiply-adds (rows x offsets x Ci x Co) from which a convolution over a map without a
+# masked schedule has it made (plan_views.masked_schedule) rather than run the implicit kernel
+# over every offset: 2^33, about a third of a millisecond of implicit-kernel work on an H100 in
+# fp16, several times the schedule's own cost. LiDAR layers (C <= 128, ~1e5 rows) stay below
+# it, where a step on new coordinates is host-bound; wide layers (C 512 over 5e4 voxels, a
+# generative VAE's) reach it.
+SCHEDULE_WORK_MIN = 1 << 33
+
+
+def masked_schedule_for(gmap: GatherMap, work: int) -> GatherMap | None:
+    """gmap with its masked schedule where a convolution of `work` multiply-adds over it is
+    worth one (SCHEDULE_WORK_MIN), else None: the implicit kernel."""
+    return plan_views.masked_schedule(gmap) if work >= SCHEDULE_WORK_MIN else None
 
 
 def _kept_launch(gmap: GatherMap, key: tuple, device: torch.device, resolve) -> tuple:

@@ -1,6 +1,7 @@
 """Planner: from coordinates and convolution geometry to a ConvPlan."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -25,12 +26,6 @@ BACKENDS = ("auto", "torch", "triton")
 # larger build syncs, as the sync's cost (its own kernels' latency, ~0.1 ms) shrinks next to
 # its work while the room's memory grows.
 DEFERRED_PAIRS_MAX = 4 << 20
-# Whether an unchecked submanifold inference build schedules its map for the masked kernels
-# (False: rows in their own order, no schedule; its convs run the implicit kernel, which does
-# the work of every offset). False measured 2-5% faster LiDAR inference steps (host-bound, the
-# GPU idle most of the step) but costs GPU time wherever the GPU is the limit, so the schedule
-# stays (scripts/results/bench_precision.md, session 37); a size rule could pick per build.
-SCHEDULE_INFERENCE_SUBM = True
 
 
 def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: int,
@@ -42,8 +37,11 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
     oracle) or "auto" (Triton on a GPU, torch elsewhere). Both give identical plans.
     check: validate coords (range, duplicates) first; pass False for coords already checked.
     training: False builds an inference plan (ConvPlan.for_training): no backward parts.
-    scheduled: False (with training False, strided or transposed) builds a maps-only plan
-    (ConvPlan.maps_only: no schedule of the fwd map), what pools read.
+    scheduled: False with training False builds no schedule of the fwd map: for a strided
+    geometry a maps-only plan (ConvPlan.maps_only), what pools read; for a submanifold one a
+    plan whose schedule is deferred (ConvPlan.schedule_deferred: its convs run the implicit
+    kernels until scheduled_plan adds the schedule), what the plan cache builds for a first
+    sighting.
     The Triton path checks within the build (its hash inserts see both problems) and reads the
     verdict in the build's one host sync, raising the same errors as check_coords.
     """
@@ -55,11 +53,21 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
         backend = "triton" if coords.is_cuda else "torch"
     with on_device_of(coords):
         return _build_plan(coords, shape, batch_size, geometry, backend, check, training,
-                           maps_only_request(geometry, training, scheduled))
+                           maps_only_request(geometry, training, scheduled), scheduled)
+
+
+def scheduled_plan(plan: ConvPlan) -> ConvPlan:
+    """plan (ConvPlan.schedule_deferred) with the masked schedule of its fwd map: the plan a
+    scheduled build of the same request makes. No host sync."""
+    nmap = plan.fwd.neighbor_map
+    backend = "triton" if nmap.is_cuda else "torch"
+    with on_device_of(nmap):
+        fwd = plan_schedule(nmap, PLAN_BLOCK_SIZES, backend, signal_offsets=0, pairs_total=0)[0]
+    return replace(plan, fwd=fwd)
 
 
 def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
-                maps_only: bool) -> ConvPlan:
+                maps_only: bool, scheduled: bool = True) -> ConvPlan:
     if not geometry.submanifold:
         if check:
             check_coords(coords, shape, batch_size)
@@ -88,7 +96,7 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
     # read when the backward needs it (ConvPlan.pairs_pending).
     defer = (signal_offsets > 0 and not num_flags and not capturing(coords.device)
              and deferred_pairs_bound(coords.shape[0], signal_offsets) <= DEFERRED_PAIRS_MAX)
-    if not training and not num_flags and not SCHEDULE_INFERENCE_SUBM:
+    if not training and not num_flags and not scheduled:
         fwd, signal, flag_values = unscheduled_map(nmap), None, None
     else:
         fwd, signal, flag_values = plan_schedule(

@@ -258,7 +258,9 @@ class GatherMap:
 
     derived_views:    name -> tensor: the views the kernels read, derived from the fields above
                       ("sorted_map_t" [V, M], "chunk_order"; "transposed_map" [N_in, V] for
-                      a pool's backward over an inference plan), kept with this map object once
+                      a pool's backward over an inference plan; "masked_schedule", a GatherMap:
+                      the same map scheduled, for a big convolution over a map built without
+                      its schedule), kept with this map object once
                       made. The map never fills it itself (it is a passive value):
                       flexplan/plan_views.py derives each view on first use and keeps it here.
                       Not written to plan files, not pickled, not carried by map_tensors / to().
@@ -300,7 +302,8 @@ class GatherMap:
         held = [self.neighbor_map, self.sorted_idx]
         for runs in (self.valid_kernel, self.valid_kernel_seg):
             held.extend((runs.buffer,) if isinstance(runs, BlockRuns) else runs.values())
-        held.extend(self.derived_views.values())
+        for view in self.derived_views.values():  # (a masked_schedule view is a map itself)
+            held.extend(view.held_tensors() if isinstance(view, GatherMap) else (view,))
         return held
 
     def map_tensors(self, fn) -> "GatherMap":

@@ -96,8 +96,9 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
     # read when the backward needs it (ConvPlan.pairs_pending).
     defer = (signal_offsets > 0 and not num_flags and not capturing(coords.device)
              and deferred_pairs_bound(coords.shape[0], signal_offsets) <= DEFERRED_PAIRS_MAX)
-    if not training and not num_flags and not scheduled:
-        fwd, signal, flag_values = unscheduled_map(nmap), None, None
+    if not training and not scheduled:  # the flags, if any, read alone (one sync)
+        fwd, signal = unscheduled_map(nmap), None
+        flag_values = problems[:num_flags].tolist() if num_flags else None
     else:
         fwd, signal, flag_values = plan_schedule(
             nmap, PLAN_BLOCK_SIZES, backend, readback=problems, num_flags=num_flags,

@@ -214,8 +214,9 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
 # masked schedule has it made (plan_views.masked_schedule) rather than run the implicit kernel
 # over every offset: 2^35, about half a millisecond of implicit-kernel work on an H100 in fp16,
 # many times the schedule's own cost. LiDAR layers (C <= 128 over 2e4 voxels, C 16 over 1e5:
-# at most 2^33.2 on bench_e2e's scans, scripts/probe_conv_work.py) stay below it, where a step on new coordinates is
-# host-bound; wide layers (C 256-512 over 5e4 voxels, a generative VAE's) reach it.
+# at most 2^33.2 on bench_e2e's scans, scripts/probe_conv_work.py) stay below it, where a step
+# on new coordinates is host-bound; wide layers (C 256-512 over 5e4 voxels, a generative
+# VAE's) reach it.
 SCHEDULE_WORK_MIN = 1 << 35
 
 

@@ -57,7 +57,8 @@ class Clock:
             plan = cached(coords, grid, batch_size, geometry, identity, training, scheduled)
             label = (("subm" if geometry.submanifold else "transposed" if geometry.transposed
                       else "strided") + f" k{geometry.kernel_size[0]}{geometry.kernel_size[1]}"
-                     f"{geometry.kernel_size[2]} " + ("train" if training else "infer"))
+                     f"{geometry.kernel_size[2]} " + ("train" if training else "infer")
+                     + (" deferred" if plan.schedule_deferred else ""))
             clock.entries.append((label, time.perf_counter() - start, clock.sync_s - sync_before))
             return plan
         plan_prefetch._cached = timed_cached

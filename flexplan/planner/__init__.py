@@ -83,12 +83,14 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
         problems = layout = None
     else:
         # The schedule's sizes and state ride behind the problems, filled with the hash table
-        # and read back with the problems in one sync.
-        layout = schedule_layout(coords.shape[0], geometry.volume, PLAN_BLOCK_SIZES, signal_offsets)
+        # and read back with the problems in one sync (an unscheduled build has none).
+        unscheduled = not training and not scheduled
+        layout = None if unscheduled else schedule_layout(coords.shape[0], geometry.volume,
+                                                          PLAN_BLOCK_SIZES, signal_offsets)
         # (checked before: the flags are not read, the problems start at the schedule's slots)
-        nmap, problems = submanifold_neighbor_map_triton(coords, shape, batch_size, geometry,
-                                                         spare_slots=layout.readback_slots,
-                                                         flags=check)
+        nmap, problems = submanifold_neighbor_map_triton(
+            coords, shape, batch_size, geometry, flags=check,
+            spare_slots=0 if unscheduled else layout.readback_slots)
     num_flags = 0 if problems is None or not check else PROBLEM_SLOTS
     # Nothing to read back without flags and pairs: an unchecked inference build makes no host
     # sync at all (its valid_kernel lengths stay on the device, plan.BlockRuns). An unchecked

@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 
 from . import launcher
+from .device_guard import on_device_of
 from .graph_capture import capturing, device_constant
-from .kernel_configs import CHUNK_ORDER_MIN_ROWS, PLAN_BLOCK_SIZES, SCHEDULE_CHUNK
+from .kernel_configs import CHUNK_ORDER_MIN_ROWS, SCHEDULE_CHUNK
 from .plan import (GatherMap, chunk_order_torch, kernels_run_on, launch_chunk_order,
                    launch_sorted_map_t, sorted_map_t_torch)
 from .planner.generative import transposed_map_torch
 from .planner.generative_triton import transposed_map_triton
-from .planner.segments import plan_schedule
+from .planner.segments import scheduled_map
 
 
 def sorted_map_t(gmap: GatherMap) -> torch.Tensor:
@@ -85,9 +86,8 @@ def masked_schedule(gmap: GatherMap) -> GatherMap:
     nmap = gmap.neighbor_map
     if capturing(nmap.device):
         return None
-    backend = "triton" if kernels_run_on(nmap) else "torch"
-    return _keep(gmap, "masked_schedule", plan_schedule(nmap, PLAN_BLOCK_SIZES, backend,
-                                                        signal_offsets=0, pairs_total=0)[0])
+    with on_device_of(nmap):
+        return _keep(gmap, "masked_schedule", scheduled_map(nmap))
 
 
 def _keep(gmap: GatherMap, name: str, view):

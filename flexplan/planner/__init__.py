@@ -16,7 +16,7 @@ from .generative import generative_plan, output_spatial_shape
 from .generative_triton import generative_plan_triton
 from .hashmap import PROBLEM_SLOTS, problem_rows, submanifold_neighbor_map_triton
 from .reference import submanifold_neighbor_map_torch
-from .segments import plan_schedule, unscheduled_map
+from .segments import plan_schedule, scheduled_map, unscheduled_map
 from .segments_triton import deferred_pairs_bound, schedule_layout
 
 BACKENDS = ("auto", "torch", "triton")
@@ -60,10 +60,8 @@ def scheduled_plan(plan: ConvPlan) -> ConvPlan:
     """plan (ConvPlan.schedule_deferred) with the masked schedule of its fwd map: the plan a
     scheduled build of the same request makes. No host sync."""
     nmap = plan.fwd.neighbor_map
-    backend = "triton" if nmap.is_cuda else "torch"
     with on_device_of(nmap):
-        fwd = plan_schedule(nmap, PLAN_BLOCK_SIZES, backend, signal_offsets=0, pairs_total=0)[0]
-    return replace(plan, fwd=fwd)
+        return replace(plan, fwd=scheduled_map(nmap))
 
 
 def _build_plan(coords, shape, batch_size, geometry, backend, check, training,

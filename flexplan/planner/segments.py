@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..plan import GatherMap
 # The torch path lives below the Triton path (which takes its word layout and its empty-map
 # results from there); the helpers are re-exported because callers name them as segments'.
@@ -49,6 +50,12 @@ def unscheduled_map(neighbor_map: torch.Tensor) -> GatherMap:
     what the implicit kernels need, without the schedule's sort and launches."""
     rows = torch.arange(neighbor_map.shape[0], dtype=torch.int32, device=neighbor_map.device)
     return GatherMap(neighbor_map, rows, {}, {})
+
+
+def scheduled_map(neighbor_map: torch.Tensor) -> GatherMap:
+    """The masked schedule of a map built without one (the plan block sizes), as a build
+    makes it, with no host sync: its valid_kernel lengths stay on the device (BlockRuns)."""
+    return plan_schedule(neighbor_map, PLAN_BLOCK_SIZES, signal_offsets=0, pairs_total=0)[0]
 
 
 def gather_map(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],

@@ -20,18 +20,37 @@ from .planner.plan4d import build_plan_4d
 
 @opaque
 def tensor_plan(x, geometry: ConvGeometry, training: bool = True,
-                scheduled: bool = True) -> ConvPlan:
+                scheduled: bool = True, asker=None) -> ConvPlan:
     """The plan of `geometry` over the coordinates of x (a SparseTensor): from its Plans, else
     built (or found in the plan cache) once and kept there. training=False accepts an inference
     plan (ConvPlan.for_training), cheaper to build; a training plan serves both, and replaces
     an inference plan when training asks. scheduled=False (a pool's request) accepts a
-    maps-only plan too (ConvPlan.maps_only), which a convolution's request replaces."""
+    maps-only plan too (ConvPlan.maps_only), which a convolution's request replaces.
+    asker: the layer asking (its identity is what counts). A plan whose schedule the cache
+    deferred (a first sighting's, ConvPlan.schedule_deferred) is asked for again when the same
+    layer asks twice: a later forward over a tensor kept from an earlier one, the coordinates'
+    second sighting, which the cache answers with the scheduled plan."""
     plans = x._plans
     plan = plans.get(geometry)
+    if (plan is not None and asker is not None and scheduled and plan.schedule_deferred
+            and _asked_before(plans, geometry, asker)):
+        plan = None
     if plan is None or not plan.serves(training, scheduled):
         plan = plan_for(x, geometry, training, scheduled)
         plans[geometry] = plan
+        if asker is not None and plan.schedule_deferred:
+            plans.askers[geometry] = {id(asker)}
     return plan
+
+
+def _asked_before(plans, geometry, asker) -> bool:
+    """Whether `asker` asked for the deferred plan of `geometry` before (noting that it has)."""
+    askers = plans.askers.setdefault(geometry, set())
+    if id(asker) in askers:
+        askers.clear()
+        return True
+    askers.add(id(asker))
+    return False
 
 
 @opaque

@@ -16,7 +16,7 @@ import torch
 from . import launcher
 from .device_guard import on_device_of
 from .graph_capture import capturing, device_constant
-from .kernel_configs import CHUNK_ORDER_MIN_ROWS, SCHEDULE_CHUNK
+from .kernel_configs import CHUNK_ORDER_MIN_ROWS, PLAN_BLOCK_SIZES, SCHEDULE_CHUNK
 from .plan import (GatherMap, chunk_order_torch, kernels_run_on, launch_chunk_order,
                    launch_sorted_map_t, sorted_map_t_torch)
 from .planner.generative import transposed_map_torch
@@ -88,6 +88,38 @@ def masked_schedule(gmap: GatherMap) -> GatherMap:
         return None
     with on_device_of(nmap):
         return _keep(gmap, "masked_schedule", scheduled_map(nmap))
+
+
+def full_schedule(gmap: GatherMap) -> GatherMap:
+    """The map with the schedule in which every block of rows runs every offset, rows in their
+    own order: what the masked kernels run over a map built without a schedule (a first
+    sighting's submanifold inference map, an inverse conv's), doing an implicit kernel's work
+    with the masked kernels' variants (the ones AOT bundles hold and tables tune). No sort, no
+    launch: views of per-device constants. Kept with the map object, like sorted_map_t."""
+    view = gmap.derived_views.get("full_schedule")
+    if view is not None:
+        return view
+    m, v = gmap.neighbor_map.shape
+    device = gmap.neighbor_map.device
+    offsets, segs = {}, {}
+    for block in PLAN_BLOCK_SIZES:
+        blocks = -(-m // block)
+        every, starts = _every_offset(v, blocks, device)
+        offsets[block], segs[block] = every[:blocks * v], starts[:blocks + 1]
+    return _keep(gmap, "full_schedule", GatherMap(gmap.neighbor_map, gmap.sorted_idx, offsets,
+                                                  segs))
+
+
+def _every_offset(v: int, blocks: int, device: torch.device):
+    """(0..v-1 repeated, block starts 0, v, 2v, ...), int32, for at least `blocks` blocks: per
+    device constants of a power-of-two block count (a handful per offset count)."""
+    room = 1 << max(blocks - 1, 0).bit_length()
+
+    def make():
+        every = torch.arange(v, dtype=torch.int32, device=device).repeat(room)
+        starts = torch.arange(0, (room + 1) * v, v, dtype=torch.int32, device=device)
+        return every, starts
+    return device_constant(("every_offset", v, room), device, make)
 
 
 def _keep(gmap: GatherMap, name: str, view):

@@ -51,6 +51,9 @@ VARIANTS = {"flexplan-fused": {"fuse": True},
             # (plan_cache.DEFER_FIRST_SCHEDULE)
             "flexplan-scheduled-first-sightings": {"settings": (
                 ("flexplan.cache.plan_cache", "DEFER_FIRST_SCHEDULE", False),)},
+            # maps without a schedule through the implicit kernels, as before session 39
+            "flexplan-implicit-unscheduled": {"settings": (
+                ("flexplan.ops.conv", "FULL_SCHEDULES", False),)},
             # the conv op's host path at its floor: each part (forward, grad-input, grad-weight)
             # one allocation and one fill, no kernel of its own (what a conv op in C++ could
             # at best leave of the Python op's host time; its outputs are zeros)
@@ -80,6 +83,9 @@ VARIANT_RATIOS = {
     "flexplan-scheduled-first-sightings": ("flexplan scheduled first sightings / flexplan fp16",
                                            ("flexplan-scheduled-first-sightings", "fp16"),
                                            ("flexplan", "fp16")),
+    "flexplan-implicit-unscheduled": ("flexplan implicit over unscheduled maps / flexplan fp16",
+                                      ("flexplan-implicit-unscheduled", "fp16"),
+                                      ("flexplan", "fp16")),
     "flexplan-floor-conv": ("flexplan with a floor conv op / flexplan fp16",
                             ("flexplan-floor-conv", "fp16"), ("flexplan", "fp16")),
     "flexplan-no-graph-ops": ("flexplan without graph-op costs / flexplan fp16",

@@ -328,3 +328,90 @@ def test_big_convolution_schedules_a_deferred_map(device, monkeypatch, big):
     checked = build_plan(coords, (10, 9, 8), 2, geometry, training=False, scheduled=False)
     assert checked.schedule_deferred and torch.equal(checked.fwd.neighbor_map,
                                                      scheduled.fwd.neighbor_map)
+
+
+def test_deferred_plan_of_a_kept_tensor_is_scheduled_on_its_next_forward(device, monkeypatch):
+    """A tensor kept across forwards (a benchmark loop, a server holding a scene, the warm-up
+    before a CUDA graph capture) finds its plans in its own memo, never asking the cache: the
+    same layer asking again for a deferred plan is the coordinates' second sighting, answered
+    with the scheduled plan. Other layers over the same tensor in one forward are not."""
+    import flexplan.nn.spconv as spconv
+
+    monkeypatch.setenv("FLEXPLAN_PLAN_PREFETCH", "0")
+    coords = random_coords(200, (9, 9, 9), 2, generator=torch.Generator().manual_seed(41)).to(device)
+    feats = torch.randn(coords.shape[0], 3, dtype=torch.float64, device=device)
+    first, second = spconv.SubMConv3d(3, 3, 3).double().to(device), spconv.SubMConv3d(3, 3, 3).double().to(device)
+    x = spconv.SparseConvTensor(feats, coords, (9, 9, 9), 2)
+    seen = []
+    with torch.no_grad():
+        for _ in range(3):
+            y = first(x)
+            seen.append(x._plans[first.geometry].schedule_deferred)
+            second(y)  # a second layer over the same coordinates in the same forward
+            seen.append(x._plans[first.geometry].schedule_deferred)
+    assert seen == [True, True, False, False, False, False]
+
+
+def test_deferred_schedule_edge_cases(device, monkeypatch, tmp_path):
+    """No upgrade while a CUDA graph is being captured (a schedule made there would be kept
+    unwritten); save_plans ships a deferred plan scheduled; a training request is never
+    deferred; a first sighting's key counts as seen for the memory's own admission."""
+    import importlib
+
+    from flexplan.cache import PlanCache
+
+    cache_module = importlib.import_module("flexplan.cache.plan_cache")
+    cache = PlanCache(directory=tmp_path / "cache")
+    geometry = ConvGeometry.make(3)
+    coords = random_coords(150, (8, 8, 8), 2, generator=torch.Generator().manual_seed(42)).to(device)
+    deferred = cache.get_or_build(coords, (8, 8, 8), 2, geometry, training=False)
+    assert deferred.schedule_deferred
+    key = cache.key_of(deferred)
+    assert cache.memory.was_seen(key, deferred.device)
+    monkeypatch.setattr(cache_module, "capturing", lambda device: True)
+    assert cache.get_or_build(coords, (8, 8, 8), 2, geometry, training=False) is deferred
+    monkeypatch.setattr(cache_module, "capturing", lambda device: False)
+    (saved_key,) = cache.save_plans(tmp_path / "shipped", [deferred])
+    assert saved_key == key
+    shipped = PlanCache(directory=tmp_path / "other").load_plans(tmp_path / "shipped", device)
+    assert not shipped[key].schedule_deferred and shipped[key].fwd.block_sizes
+    scheduled = cache.get_or_build(coords, (8, 8, 8), 2, geometry, training=False)
+    assert not scheduled.schedule_deferred and scheduled.fwd.block_sizes
+    fresh = random_coords(150, (8, 8, 8), 2, generator=torch.Generator().manual_seed(43)).to(device)
+    trained = cache.get_or_build(fresh, (8, 8, 8), 2, geometry, training=True)
+    assert trained.for_training and trained.fwd.block_sizes and not trained.schedule_deferred
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_unscheduled_maps_run_a_full_schedule(device, monkeypatch, full):
+    """A convolution over a map without a schedule runs the masked kernel over the schedule of
+    every offset in every block (plan_views.full_schedule: rows in their own order, views of
+    shared constants) or, FULL_SCHEDULES off, the implicit kernel: the float64 result of a
+    scheduled plan either way, for row counts on and off the block sizes."""
+    from flexplan import plan_views
+    from flexplan.ops import conv as conv_ops
+    from flexplan.ops.conv import sparse_conv
+
+    monkeypatch.setattr(conv_ops, "FULL_SCHEDULES", full)
+    geometry = ConvGeometry.make(3)
+    for seed, num in ((50, 37), (51, 300)):
+        coords = random_coords(num, (9, 8, 7), 2, generator=torch.Generator().manual_seed(seed))
+        coords = coords.to(device)
+        deferred = build_plan(coords, (9, 8, 7), 2, geometry, training=False, scheduled=False)
+        scheduled = build_plan(coords, (9, 8, 7), 2, geometry, training=False)
+        feats = torch.randn(coords.shape[0], 4, dtype=torch.float64, device=device)
+        weight = torch.randn(5, 3, 3, 3, 4, dtype=torch.float64, device=device)
+        bias = torch.randn(5, dtype=torch.float64, device=device)
+        with torch.no_grad():
+            out = sparse_conv(feats, deferred, weight, bias, algo="masked")
+            ref = sparse_conv(feats, scheduled, weight, bias, algo="masked")
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+        made = deferred.fwd.derived_views.get("full_schedule")
+        assert (made is not None) == full
+        if full:
+            m, v = deferred.fwd.neighbor_map.shape
+            for block in made.block_sizes:
+                blocks = -(-m // block)
+                assert made.kernel_offsets(block).tolist() == list(range(v)) * blocks
+                assert made.valid_kernel_seg[block].tolist() == list(range(0, (blocks + 1) * v, v))
+            assert plan_views.full_schedule(deferred.fwd) is made

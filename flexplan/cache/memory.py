@@ -85,14 +85,26 @@ class MemoryCache:
             self._evict()
 
     def put_recent(self, key: str, plan: ConvPlan) -> None:
-        """Keep the plan of a key's first sighting in the ring of recent ones."""
+        """Keep the plan of a key's first sighting in the ring of recent ones (and its key with
+        the seen ones: built again, it is a repeat)."""
         with self._lock:
-            self._recent[(key, plan.device)] = plan
+            slot = (key, plan.device)
+            self._recent[slot] = plan
             if len(self._recent) > RECENT_PLANS:
                 self._recent.popitem(last=False)
+            self._note_seen(slot)
+
+    def _note_seen(self, slot) -> bool:
+        """Note slot among the seen keys (the latest SEEN_KEYS); whether it was there (locked)."""
+        again = slot in self._seen
+        if not again:
+            self._seen[slot] = None
+            if len(self._seen) > SEEN_KEYS:
+                self._seen.popitem(last=False)
+        return again
 
     def was_seen(self, key: str, device: torch.device) -> bool:
-        """Whether admit has kept a plan of (key, device) before (it notes the key)."""
+        """Whether a plan of (key, device) was kept before (admit and put_recent note keys)."""
         with self._lock:
             return (key, device) in self._seen
 
@@ -101,11 +113,7 @@ class MemoryCache:
         the ring or evicted), else in the ring of recent ones."""
         slot = (key, plan.device)
         with self._lock:
-            again = slot in self._seen
-            if not again:
-                self._seen[slot] = None
-                if len(self._seen) > SEEN_KEYS:
-                    self._seen.popitem(last=False)
+            again = self._note_seen(slot)
         if again:
             self.put(key, plan)
         else:

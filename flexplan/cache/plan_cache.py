@@ -407,8 +407,10 @@ class PlanCache:
 
     def _served(self, key: str, plan: ConvPlan) -> ConvPlan:
         """A cached plan as a lookup hands it out: one whose schedule was deferred (a first
-        sighting's) comes back scheduled, for this and every later lookup of its key."""
-        if not plan.schedule_deferred:
+        sighting's) comes back scheduled, for this and every later lookup of its key. Not
+        during a CUDA graph capture: a schedule made there would be kept with nothing written
+        in it until the graph replays (graph_capture.py)."""
+        if not plan.schedule_deferred or capturing(plan.device):
             return plan
         from ..planner import scheduled_plan
 
@@ -427,6 +429,10 @@ class PlanCache:
         items = plans.items() if isinstance(plans, Mapping) else [(self.key_of(p), p) for p in plans]
         keys = []
         for key, plan in items:
+            if plan.schedule_deferred:  # shipped plans serve repeats: scheduled, as repeats get
+                from ..planner import scheduled_plan
+
+                plan = scheduled_plan(plan)
             if key is None:
                 raise ValueError("save_plans: a plan was not made by this plan cache (or was "
                                  "freed); pass a {key: plan} mapping, keys from plan_cache.key()")

@@ -57,7 +57,7 @@ class SubMConv3d(torch.nn.Module):
             weight = self.conv_weight().reshape(self.out_channels, self.in_channels)
             return x.replace_feats(torch.nn.functional.linear(x.feats, weight, self.bias))
         # Under no_grad / inference_mode nothing will be differentiated: an inference plan.
-        plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled())
+        plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled(), asker=self)
         feats = sparse_conv(x.feats, plan, self.conv_weight(), self.bias, self.algo,
                             self.allow_tf32)
         return x.replace_feats(feats)

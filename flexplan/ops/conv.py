@@ -184,13 +184,15 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
         return _explicit_gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
     if not gmap.valid_kernel and algo.startswith("masked"):
         # A map without a schedule (a first sighting's submanifold inference map, an inference
-        # plan's inverse): a big convolution schedules it (kept with the map), a small one runs
-        # the implicit kernel over every offset, split as asked.
+        # plan's inverse): a big convolution schedules it, a small one runs every offset of
+        # every block (both kept with the map).
         scheduled = masked_schedule_for(gmap, m * v * k * n)
-        if scheduled is None:
-            algo = "implicit" + algo.removeprefix("masked")
-        else:
+        if scheduled is not None:
             gmap = scheduled
+        elif FULL_SCHEDULES:
+            gmap = plan_views.full_schedule(gmap)
+        else:
+            algo = "implicit" + algo.removeprefix("masked")
     out = src.new_empty((m, n))
     cfg, masked, map_t, chunks, valid_kernel, valid_kernel_seg, dtype, hip = _kept_launch(
         gmap, (part, algo, k, n, v, src.dtype, allow_tf32), src.device,
@@ -211,18 +213,22 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
 
 
 # The multiply-adds (rows x offsets x Ci x Co) from which a convolution over a map without a
-# masked schedule has it made (plan_views.masked_schedule) rather than run the implicit kernel
-# over every offset: 2^35, about half a millisecond of implicit-kernel work on an H100 in fp16,
-# many times the schedule's own cost. LiDAR layers (C <= 128 over 2e4 voxels, C 16 over 1e5:
-# at most 2^33.2 on bench_e2e's scans, scripts/probe_conv_work.py) stay below it, where a step
-# on new coordinates is host-bound; wide layers (C 256-512 over 5e4 voxels, a generative
-# VAE's) reach it.
+# masked schedule has it made (plan_views.masked_schedule) rather than run every offset of
+# every block (plan_views.full_schedule): 2^35, about half a millisecond of such work on an
+# H100 in fp16, many times the schedule's own cost. LiDAR layers (C <= 128 over 2e4 voxels,
+# C 16 over 1e5: at most 2^33.2 on bench_e2e's scans, scripts/probe_conv_work.py) stay below
+# it, where a step on new coordinates is host-bound; wide layers (C 256-512 over 5e4 voxels, a
+# generative VAE's) reach it.
 SCHEDULE_WORK_MIN = 1 << 35
+# Whether a map without a schedule runs the masked kernels over a schedule of every offset
+# (plan_views.full_schedule: the variants AOT bundles hold) or, False, the implicit kernels
+# (variants no bundle holds: JIT-compiled on first use).
+FULL_SCHEDULES = True
 
 
 def masked_schedule_for(gmap: GatherMap, work: int) -> GatherMap | None:
     """gmap with its masked schedule where a convolution of `work` multiply-adds over it is
-    worth one (SCHEDULE_WORK_MIN), else None: the implicit kernel."""
+    worth one (SCHEDULE_WORK_MIN), else None."""
     return plan_views.masked_schedule(gmap) if work >= SCHEDULE_WORK_MIN else None
 
 

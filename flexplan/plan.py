@@ -341,7 +341,8 @@ class ConvPlan:
     maps_only (derived): a strided (not transposed) inference plan whose fwd map has no masked
           schedule (rows in their own order, planner.segments.unscheduled_map): what a pool
           reads (its windows), without the schedule's sort and launches. A convolution over
-          it would run the implicit kernel, so a conv's request is never served one (serves).
+          it would run every offset of every block, so a conv's request is never served one
+          (serves).
     pairs_pending: None, or the PendingCount P of the pairs while valid_signal_i / _o still
           hold room past them: a GPU build that sized them by a bound instead of waiting for
           its kernels (planner: a submanifold training build makes no host sync). num_pairs
@@ -397,8 +398,8 @@ class ConvPlan:
     @property
     def schedule_deferred(self) -> bool:
         """A submanifold inference plan built without the masked schedule of its fwd map (a
-        first sighting's, where the plan cache defers it: its convs run the implicit kernels,
-        which need none); planner.scheduled_plan makes the scheduled plan of it."""
+        first sighting's, where the plan cache defers it: its convs run every offset of every
+        block, plan_views.full_schedule); planner.scheduled_plan makes the scheduled plan of it."""
         return (not self.for_training and self.geometry.submanifold and self.num_in > 0
                 and not self.fwd.valid_kernel_seg)
 

@@ -32,8 +32,9 @@ from .policy import Policy, check_mode
 # Whether a submanifold inference plan's first sighting is built without the masked schedule
 # of its map (ConvPlan.schedule_deferred), scheduled when its key comes back. Coordinates
 # seen once (a fresh scan per request) skip the schedule's sort and launches, host time in a
-# host-bound step, and run the implicit kernels; repeated ones get the masked kernels from
-# their second sighting on (scripts/results/bench_precision.md, session 39).
+# host-bound step, and run every offset of every block (plan_views.full_schedule); repeated
+# ones get their schedule from their second sighting on (scripts/results/bench_precision.md,
+# session 39).
 DEFER_FIRST_SCHEDULE = True
 
 

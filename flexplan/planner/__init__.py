@@ -39,9 +39,9 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
     training: False builds an inference plan (ConvPlan.for_training): no backward parts.
     scheduled: False with training False builds no schedule of the fwd map: for a strided
     geometry a maps-only plan (ConvPlan.maps_only), what pools read; for a submanifold one a
-    plan whose schedule is deferred (ConvPlan.schedule_deferred: its convs run the implicit
-    kernels until scheduled_plan adds the schedule), what the plan cache builds for a first
-    sighting.
+    plan whose schedule is deferred (ConvPlan.schedule_deferred: its convs run every offset
+    of every block until scheduled_plan adds the schedule), what the plan cache builds for a
+    first sighting.
     The Triton path checks within the build (its hash inserts see both problems) and reads the
     verdict in the build's one host sync, raising the same errors as check_coords.
     """

@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 
 from .compile_boundary import opaque
-from .coords_hash import (digest_identity, digest_lanes, known_identity, lanes_to_digest,
-                          remember_identity)
+from .coords_hash import digest_identity, known_identity, lanes_to_digest, remember_identity
 from .device_guard import on_device_of
 
 
@@ -60,9 +59,9 @@ def check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batc
         identity = known_identity(coords)
         need_identity = identity is None
         with on_device_of(coords):
-            flags = coords_problem_flags(coords, spatial_shape, batch_size, spare_slots=2)
-            if need_identity:
-                digest_lanes(coords, out=flags[2:])
+            # (the identity's lanes hashed by the same pass)
+            flags = coords_problem_flags(coords, spatial_shape, batch_size,
+                                         spare_slots=2 * need_identity, lanes=need_identity)
             values = flags.tolist()  # the one host sync
         if need_identity:
             identity = digest_identity(lanes_to_digest(values[2:]))

@@ -8,6 +8,8 @@ Probing loops run per program while any lane of the vector still probes.
 import triton
 import triton.language as tl
 
+from .plan_hash import lane_sums
+
 EMPTY_KEY = tl.constexpr(-1)
 MISSING = tl.constexpr(-1)
 
@@ -60,7 +62,7 @@ def _voxel_key(b, x, y, z, size_x, size_y, size_z, KEY_64: tl.constexpr):
                                "size_z"])
 def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, nmap, batch_size, size_x,
                        size_y, size_z, V: tl.constexpr, KEY_64: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       LANES: tl.constexpr, BLOCK: tl.constexpr):
     """Insert key(coords[i]) -> i for the rows inside the grid, and note what is wrong with the
     input in the problem slots right after the table's slot_mask + 1 slots: problems[0] gets
     the smallest row outside [0, batch_size) x grid, problems[1] the smallest row whose key was
@@ -70,7 +72,10 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, nmap, batch
     table_keys, values in table_vals; int32 keys: packed in table_keys.
 
     Also starts the neighbour map nmap [n, V] of these rows (the lookups write only hits):
-    MISSING everywhere but the centre column, which is the row itself.
+    MISSING everywhere but the centre column, which is the row itself. LANES: also the
+    coordinates' identity (flexplan/coords_hash.py: two lanes over the rows as int64 words,
+    kernels_src/plan_hash.py) into the two slots after the problems, summed by atomic adds
+    (integer sums do not depend on order); they start at -1 like the table, program 0 adds 1.
     """
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < n
@@ -85,6 +90,19 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, nmap, batch
     # Relaxed atomics: only atomicity matters inside the kernel; the launch boundary publishes
     # the table to the lookups (acq_rel would fence every probe).
     tl.atomic_max(problems + 0 * rows, n - 1 - rows.to(tl.int64), mask=live & ~inside, sem="relaxed")
+    if LANES:
+        # Row i is the words 2i = (x << 32) | b and 2i + 1 = (z << 32) | y (int32 pairs read
+        # as little-endian int64), hashed at their positions.
+        low = b.to(tl.uint32, bitcast=True).to(tl.uint64)
+        word0 = (x.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | low
+        word1 = ((z.to(tl.uint32, bitcast=True).to(tl.uint64) << 32)
+                 | y.to(tl.uint32, bitcast=True).to(tl.uint64))
+        pos0 = rows.to(tl.uint64) * 2
+        a0, b0 = lane_sums(word0, pos0, live)
+        a1, b1 = lane_sums(word1, pos0 + 1, live)
+        fix = (tl.program_id(0) == 0).to(tl.uint64)
+        tl.atomic_add(problems + 2, (a0 + a1 + fix).to(tl.int64, bitcast=True), sem="relaxed")
+        tl.atomic_add(problems + 3, (b0 + b1 + fix).to(tl.int64, bitcast=True), sem="relaxed")
     # The map rows of this program are one contiguous run of BLOCK * V entries.
     run = nmap + tl.program_id(0).to(tl.int64) * BLOCK * V
     for c in range(V):

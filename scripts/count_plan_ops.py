@@ -31,7 +31,6 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import flexplan  # noqa: E402,F401
 from flexplan import launcher, plan_views  # noqa: E402
-from flexplan.coords_hash import digest_lanes  # noqa: E402
 from flexplan.geometry import ConvGeometry  # noqa: E402
 from flexplan.planner import build_plan  # noqa: E402
 from flexplan.planner.generative_triton import transposed_map_triton  # noqa: E402
@@ -129,8 +128,7 @@ def _install_launch_wrapper():
 def coords_check(coords):
     """check_coords' GPU branch (the CPU takes torch ops): the hash insert's problem flags and
     the coordinates' identity lanes, read in one sync."""
-    flags = coords_problem_flags(coords, SHAPE, BATCH, spare_slots=2)
-    digest_lanes(coords, use_triton=True, out=flags[2:])
+    flags = coords_problem_flags(coords, SHAPE, BATCH, spare_slots=2, lanes=True)
     flags.tolist()
 
 

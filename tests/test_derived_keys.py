@@ -9,7 +9,7 @@ import torch
 import flexplan.nn.spconv as spconv
 from flexplan import ConvGeometry, tensor_plan
 import flexplan.coords_hash as coords_hash
-import flexplan.coords_check as coords_check
+import flexplan.planner.hashmap as hashmap
 import flexplan.sparse_tensor as sparse_tensor
 from flexplan.cache import key as key_module
 from flexplan.cache import plan_cache
@@ -29,7 +29,14 @@ def _count_digests(monkeypatch) -> list:
         return real(coords, *args, **kwargs)
 
     monkeypatch.setattr(coords_hash, "digest_lanes", counting)
-    monkeypatch.setattr(coords_check, "digest_lanes", counting)
+    real_flags = hashmap.coords_problem_flags
+
+    def counting_check(coords, *args, lanes=False, **kwargs):  # (the check's own hash pass)
+        if lanes:
+            calls.append(coords.shape[0])
+        return real_flags(coords, *args, lanes=lanes, **kwargs)
+
+    monkeypatch.setattr(hashmap, "coords_problem_flags", counting_check)
     return calls
 
 
@@ -125,3 +132,14 @@ def test_the_coordinate_check_records_the_identity():
         coords_hash.coords_digest(coords))
     with pytest.raises(sparse_tensor.SparseTensorError, match="duplicate"):
         _input(torch.cat([coords, coords[:1]]))
+
+
+@pytest.mark.parametrize("shape", [SHAPE, (3000, 3000, 300)])  # int32 keys, int64 keys
+def test_the_check_pass_hashes_the_identity(device, shape):
+    """The input check's hash insert pass also sums the identity's two lanes (atomic adds from
+    -1, program 0 adding the 1 back): the plan cache's digest, bit for bit, for a row count
+    that is no multiple of the insert's block."""
+    coords = random_coords(77, shape, 2, generator=torch.Generator().manual_seed(7)).to(device)
+    flags = hashmap.coords_problem_flags(coords, shape, 2, spare_slots=2, lanes=True)
+    assert flags[:2].tolist() == [-1, -1]
+    assert flags[2:].tolist() == coords_hash.digest_lanes(coords.cpu(), use_triton=False).tolist()

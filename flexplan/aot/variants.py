@@ -263,7 +263,9 @@ def planner_variants() -> Iterator[Variant]:
 
     for key_64 in (False, True):
         for volume in sorted({1} | {g.volume for g in _submanifold()}):  # 1: coords_problems
-            yield record(launch_hash_insert, volume=volume, key_64=key_64)
+            yield record(launch_hash_insert, volume=volume, key_64=key_64, lanes=False)
+        # the input check, hashing the coordinates' identity in the same pass
+        yield record(launch_hash_insert, volume=1, key_64=key_64, lanes=True)
         for geometry in _submanifold():
             yield record(launch_neighbor_map, geometry=geometry, key_64=key_64)
 

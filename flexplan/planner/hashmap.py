@@ -31,12 +31,14 @@ PROBLEM_SLOTS = 2
 
 def launch_hash_insert(run, table_keys: INT64, table_vals: INT32, coords: INT32, n: SIZE,
                        slot_mask: SIZE, nmap: INT32, batch_size: SIZE, size_x: SIZE,
-                       size_y: SIZE, size_z: SIZE, volume: int, key_64: bool) -> None:
+                       size_y: SIZE, size_z: SIZE, volume: int, key_64: bool,
+                       lanes: bool = False) -> None:
     """The table of coords' n keys, in table_keys' first slot_mask + 1 slots, the input's
-    problems in the PROBLEM_SLOTS after them; starts nmap [n, volume] (its centre column)."""
+    problems in the PROBLEM_SLOTS after them; starts nmap [n, volume] (its centre column).
+    lanes: also coords' identity lanes (coords_hash) in the 2 slots after the problems."""
     run(kernels.hash_insert_kernel, (-(-n // INSERT_LAUNCH["BLOCK"]),), table_keys, table_vals,
         coords, n, slot_mask, nmap, batch_size, size_x, size_y, size_z, V=volume,
-        KEY_64=key_64, **INSERT_LAUNCH)
+        KEY_64=key_64, LANES=lanes, **INSERT_LAUNCH)
 
 
 def launch_neighbor_map(run, table_keys: INT64, table_vals: INT32, coords: INT32, nmap: INT32,
@@ -57,14 +59,18 @@ def table_capacity(n: int) -> int:
 
 def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
                                     batch_size: int, geometry: ConvGeometry, spare_slots: int = 0,
-                                    flags: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                                    flags: bool = True, lanes: bool = False
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(nmap, problems). nmap: int32 [N, V], entry (i, v) is the row at coords[i] + offset v, or
     MISSING. problems: device int64 [PROBLEM_SLOTS + spare_slots]: the first row outside the
     grid and a row whose coordinate another row also has, each as N - 1 - row, -1 where there
     is none (decode with problem_rows), then spare_slots entries for the caller (a schedule's
     sizes, read back with the problems in one sync); flags False: only the spare slots (the
-    caller checked the coords before). The map only means something when both problems are
-    -1, but it is always safe to read. No host sync."""
+    caller checked the coords before). lanes (with flags and spare_slots >= 2): the first two
+    spare slots get coords' identity lanes (coords_hash.digest_lanes' values). The map only
+    means something when both problems are -1, but it is always safe to read. No host sync."""
+    if lanes and not (flags and spare_slots >= 2):
+        raise ValueError("identity lanes need the problem slots and two spare slots")
     n, volume = coords.shape[0], geometry.volume
     device = coords.device
     coords = coords.contiguous()
@@ -80,7 +86,7 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     values = torch.empty(capacity, dtype=torch.int32, device=device) if key_64 else nmap
     if n:
         launch_hash_insert(launch, keys, values, coords, n, capacity - 1, nmap, batch_size,
-                           *spatial_shape, volume, key_64)
+                           *spatial_shape, volume, key_64, lanes)
         if volume > 1:  # (1x1x1: the insert wrote the map's one column)
             launch_neighbor_map(launch, keys, values, coords, nmap, n, capacity - 1, batch_size,
                                 *spatial_shape, geometry, key_64)
@@ -94,13 +100,14 @@ def problem_rows(encoded: list[int], n: int) -> list[int]:
 
 
 def coords_problem_flags(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
-                         batch_size: int, spare_slots: int = 0) -> torch.Tensor:
+                         batch_size: int, spare_slots: int = 0, lanes: bool = False) -> torch.Tensor:
     """Device int64 [PROBLEM_SLOTS + spare_slots]: the encoded first row outside the grid and a
     row whose coordinate another row also has (decode with problem_rows), then spare slots for
-    the caller to read in the same sync. No host sync. One hash insert pass (the map of a
+    the caller to read in the same sync; lanes: the first two of them coords' identity lanes
+    (coords_hash), hashed in the same pass. No host sync. One hash insert pass (the map of a
     1x1x1 kernel)."""
     return submanifold_neighbor_map_triton(coords, spatial_shape, batch_size, ConvGeometry.make(1),
-                                           spare_slots=spare_slots)[1]
+                                           spare_slots=spare_slots, lanes=lanes)[1]
 
 
 def coords_problems(coords: torch.Tensor, spatial_shape: tuple[int, int, int],

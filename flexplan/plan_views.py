@@ -17,7 +17,7 @@ from . import launcher
 from .device_guard import on_device_of
 from .graph_capture import capturing, device_constant
 from .kernel_configs import CHUNK_ORDER_MIN_ROWS, PLAN_BLOCK_SIZES, SCHEDULE_CHUNK
-from .plan import (GatherMap, chunk_order_torch, kernels_run_on, launch_chunk_order,
+from .plan import (BlockRuns, GatherMap, chunk_order_torch, kernels_run_on, launch_chunk_order,
                    launch_sorted_map_t, sorted_map_t_torch)
 from .planner.generative import transposed_map_torch
 from .planner.generative_triton import transposed_map_triton
@@ -100,12 +100,11 @@ def full_schedule(gmap: GatherMap) -> GatherMap:
     if view is not None:
         return view
     m, v = gmap.neighbor_map.shape
-    device = gmap.neighbor_map.device
-    offsets, segs = {}, {}
-    for block in PLAN_BLOCK_SIZES:
-        blocks = -(-m // block)
-        every, starts = _every_offset(v, blocks, device)
-        offsets[block], segs[block] = every[:blocks * v], starts[:blocks + 1]
+    blocks = {block: -(-m // block) for block in PLAN_BLOCK_SIZES}
+    every, starts = _every_offset(v, max(blocks.values()), gmap.neighbor_map.device)
+    # (runs of the constants, each viewed when a kernel asks for its block size)
+    offsets = BlockRuns(every, {block: (0, count * v) for block, count in blocks.items()})
+    segs = BlockRuns(starts, {block: (0, count + 1) for block, count in blocks.items()})
     return _keep(gmap, "full_schedule", GatherMap(gmap.neighbor_map, gmap.sorted_idx, offsets,
                                                   segs))
 

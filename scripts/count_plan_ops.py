@@ -21,6 +21,7 @@ import argparse
 import collections
 import os
 import statistics
+from dataclasses import replace
 import sys
 import time
 
@@ -141,6 +142,12 @@ def first_conv_views(plan):
     gmap.valid_kernel_seg[32]
 
 
+def first_conv_views_deferred(plan):
+    """The same over a deferred plan's map: its full schedule (plan_views.full_schedule), then
+    that map's views."""
+    first_conv_views(replace(plan, fwd=plan_views.full_schedule(plan.fwd)))
+
+
 def kinds(coords):
     """name -> (the work counted, a setup run first whose result it takes)."""
     def build(geometry, training):
@@ -148,10 +155,15 @@ def kinds(coords):
                                     training=training)
 
     subm = lambda: build_plan(coords, SHAPE, BATCH, SUBM, backend="triton", training=False)
+    deferred = lambda: build_plan(coords, SHAPE, BATCH, SUBM, backend="triton", check=False,
+                                  training=False, scheduled=False)
     down = lambda: build_plan(coords, SHAPE, BATCH, DOWN, backend="triton", training=False)
     return {
         "coords check (+identity)": (lambda _: coords_check(coords), None),
         "subm 3x3x3 inference": (build(SUBM, False), None),
+        "subm 3x3x3 inference, deferred (a first sighting's)": (
+            lambda _: build_plan(coords, SHAPE, BATCH, SUBM, backend="triton", check=False,
+                                 training=False, scheduled=False), None),
         "subm 3x3x3 training": (build(SUBM, True), None),
         "subm 3x3x3 inference, checked": (
             lambda _: build_plan(coords, SHAPE, BATCH, SUBM, backend="triton", training=False),
@@ -166,6 +178,7 @@ def kinds(coords):
         "inverse bwd map (inference plan)": (
             lambda plan: transposed_map_triton(plan.fwd.neighbor_map, plan.num_in), down),
         "first-conv views (subm)": (first_conv_views, subm),
+        "first-conv views (deferred subm)": (first_conv_views_deferred, deferred),
     }
 
 

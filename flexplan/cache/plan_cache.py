@@ -325,8 +325,10 @@ class PlanCache:
         self._count("misses")
         # Timing a build waits for the GPU to finish it (and everything queued before it): only
         # where the time decides something, a store, or the first build of a device type (the
-        # rate build_beats_any_load compares). A fresh-coordinate job's builds then overlap.
-        timed = store or self.policy.build_s_per_unit.get(coords.device.type) is None
+        # rate build_beats_any_load compares; not a deferred build, cheaper than the scheduled
+        # ones that rate stands for). A fresh-coordinate job's builds then overlap.
+        timed = store or (not deferred
+                          and self.policy.build_s_per_unit.get(coords.device.type) is None)
         start = time.perf_counter()
         plan = build_plan(coords, shape, batch_size, geometry, backend=backend, check=False,
                           training=training, scheduled=not (maps_only or deferred))

@@ -302,8 +302,13 @@ class GatherMap:
         held = [self.neighbor_map, self.sorted_idx]
         for runs in (self.valid_kernel, self.valid_kernel_seg):
             held.extend((runs.buffer,) if isinstance(runs, BlockRuns) else runs.values())
-        for view in self.derived_views.values():  # (a masked_schedule view is a map itself)
-            held.extend(view.held_tensors() if isinstance(view, GatherMap) else (view,))
+        for name, view in self.derived_views.items():
+            if name == "full_schedule":  # this map's rows and map, and shared constants:
+                held.extend(view.derived_views.values())  # only its own views are its
+            elif isinstance(view, GatherMap):  # masked_schedule: a schedule of its own
+                held.extend(view.held_tensors())
+            else:
+                held.append(view)
         return held
 
     def map_tensors(self, fn) -> "GatherMap":

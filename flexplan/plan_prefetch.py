@@ -81,8 +81,7 @@ def plan_for(x, geometry: ConvGeometry, training: bool, scheduled: bool = True) 
     cache (built there if new). Records the request. (training, scheduled: the kind asked,
     as cache.cached_plan takes them.)"""
     if not enabled():
-        return _cached(x.coords, x.grid_shape, x.batch_size, geometry, x.coords_identity(),
-                       training, scheduled)
+        return cached_for(x, geometry, training, scheduled)
     steps = _steps
     identity, device = x.coords_identity(), x.coords.device
     node = _node(identity, device, x.grid_shape, x.batch_size)
@@ -107,6 +106,13 @@ def plan_for(x, geometry: ConvGeometry, training: bool, scheduled: bool = True) 
         steps.paths[_node(child, device, plan.out_spatial_shape, x.batch_size)] = (
             request[0] + (geometry,))
     return plan
+
+
+def cached_for(x, geometry: ConvGeometry, training: bool, scheduled: bool = True) -> ConvPlan:
+    """The plan of `geometry` over x's coordinates from the cache alone (built there if new):
+    no request of the step, nothing recorded."""
+    return _cached(x.coords, x.grid_shape, x.batch_size, geometry, x.coords_identity(),
+                   training, scheduled)
 
 
 def clear() -> None:

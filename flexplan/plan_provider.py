@@ -14,7 +14,7 @@ from .compile_boundary import opaque
 from .geometry import ConvGeometry
 from .geometry4d import ConvGeometry4d
 from .plan import ConvPlan
-from .plan_prefetch import plan_for
+from .plan_prefetch import cached_for, plan_for
 from .planner.plan4d import build_plan_4d
 
 
@@ -28,28 +28,31 @@ def tensor_plan(x, geometry: ConvGeometry, training: bool = True,
     maps-only plan too (ConvPlan.maps_only), which a convolution's request replaces.
     asker: the layer asking (its identity is what counts). A plan whose schedule the cache
     deferred (a first sighting's, ConvPlan.schedule_deferred) is asked for again when the same
-    layer asks twice: a later forward over a tensor kept from an earlier one, the coordinates'
-    second sighting, which the cache answers with the scheduled plan."""
+    layer asks twice over the same tensor object: a later forward over a tensor kept from an
+    earlier one (a layer applied twice in one forward gets another tensor the second time),
+    the coordinates' second sighting, which the cache answers with the scheduled plan (straight
+    from the cache: not a request of the step's prefetch)."""
     plans = x._plans
     plan = plans.get(geometry)
     if (plan is not None and asker is not None and scheduled and plan.schedule_deferred
-            and _asked_before(plans, geometry, asker)):
-        plan = None
+            and _asked_before(plans, geometry, (id(asker), id(x)))):
+        plan = plans[geometry] = cached_for(x, geometry, training, scheduled)
     if plan is None or not plan.serves(training, scheduled):
         plan = plan_for(x, geometry, training, scheduled)
         plans[geometry] = plan
         if asker is not None and plan.schedule_deferred:
-            plans.askers[geometry] = {id(asker)}
+            plans.askers[geometry] = {(id(asker), id(x))}
     return plan
 
 
-def _asked_before(plans, geometry, asker) -> bool:
-    """Whether `asker` asked for the deferred plan of `geometry` before (noting that it has)."""
-    askers = plans.askers.setdefault(geometry, set())
-    if id(asker) in askers:
-        askers.clear()
+def _asked_before(plans, geometry, ask: tuple) -> bool:
+    """Whether `ask` (a layer and a tensor) asked for the deferred plan of `geometry` before
+    (noting that it has)."""
+    asks = plans.askers.setdefault(geometry, set())
+    if ask in asks:
+        asks.clear()
         return True
-    askers.add(id(asker))
+    asks.add(ask)
     return False
 
 

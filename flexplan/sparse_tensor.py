@@ -17,8 +17,8 @@ from .geometry import triple
 class Plans(dict):
     """The plans of one set of coordinates, by geometry, shared by every tensor over them, and
     the coordinates' identity for the plan cache (SparseTensor.coords_identity): None until
-    hashed, or given by the layer that produced the coordinates. askers: per geometry, the ids
-    of the layers that asked for its plan while the plan's schedule is deferred
+    hashed, or given by the layer that produced the coordinates. askers: per geometry, the
+    (layer, tensor) ids that asked for its plan while the plan's schedule is deferred
     (plan_provider.tensor_plan)."""
 
     __slots__ = ("identity", "askers")

@@ -143,3 +143,11 @@ def test_the_check_pass_hashes_the_identity(device, shape):
     flags = hashmap.coords_problem_flags(coords, shape, 2, spare_slots=2, lanes=True)
     assert flags[:2].tolist() == [-1, -1]
     assert flags[2:].tolist() == coords_hash.digest_lanes(coords.cpu(), use_triton=False).tolist()
+
+
+def test_the_check_pass_hashes_no_rows_to_zero(device):
+    """No rows, no launch: the lanes read the sums over nothing, as digest_lanes gives them."""
+    coords = torch.empty((0, 4), dtype=torch.int32, device=device)
+    flags = hashmap.coords_problem_flags(coords, SHAPE, 2, spare_slots=2, lanes=True)
+    assert flags.tolist() == [-1, -1, 0, 0]
+    assert coords_hash.digest_lanes(coords.cpu(), use_triton=False).tolist() == [0, 0]

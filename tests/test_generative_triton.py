@@ -415,3 +415,34 @@ def test_unscheduled_maps_run_a_full_schedule(device, monkeypatch, full):
                 assert made.kernel_offsets(block).tolist() == list(range(v)) * blocks
                 assert made.valid_kernel_seg[block].tolist() == list(range(0, (blocks + 1) * v, v))
             assert plan_views.full_schedule(deferred.fwd) is made
+
+
+def test_a_layer_applied_twice_in_one_forward_keeps_the_deferred_plan(device, monkeypatch):
+    """A weight-shared layer applied twice in one forward (to another tensor the second time)
+    is no second sighting: the plan stays deferred, the cache schedules nothing. And the bytes
+    the memory counts for a deferred plan do not grow when its first conv makes its views (the
+    map's transpose was counted ahead; the full schedule's constants are shared)."""
+    import flexplan.nn.spconv as spconv
+    from flexplan.cache import plan_cache as cache
+    from flexplan.cache.memory import held_bytes
+
+    monkeypatch.setenv("FLEXPLAN_PLAN_PREFETCH", "0")
+    shared = spconv.SubMConv3d(3, 3, 3).double().to(device)
+    before = cache.stats().get("deferred_schedules", 0)
+    for seed in (60, 61):
+        coords = random_coords(200, (9, 9, 9), 2, generator=torch.Generator().manual_seed(seed))
+        x = spconv.SparseConvTensor(torch.randn(coords.shape[0], 3, dtype=torch.float64,
+                                                device=device), coords.to(device), (9, 9, 9), 2)
+        with torch.no_grad():
+            plan = tensor_plan_of(x, shared)
+            counted = held_bytes(plan)
+            shared(shared(x))
+        assert x._plans[shared.geometry] is plan and plan.schedule_deferred
+        assert held_bytes(plan) <= counted + (64 << 10)
+    assert cache.stats().get("deferred_schedules", 0) == before
+
+
+def tensor_plan_of(x, layer):
+    from flexplan import tensor_plan
+
+    return tensor_plan(x, layer.geometry, training=False)

@@ -31,8 +31,15 @@ def held_bytes(plan: ConvPlan) -> int:
         storage = t.untyped_storage()
         storages[(t.device, storage.data_ptr())] = storage.nbytes()
     derived = sum(gmap.neighbor_map.nbytes for gmap in (plan.fwd, plan.bwd)
-                  if gmap is not None and "sorted_map_t" not in gmap.derived_views)
+                  if gmap is not None and not _has_map_view(gmap))
     return sum(storages.values()) + derived
+
+
+def _has_map_view(gmap) -> bool:
+    """Whether the map's sorted_map_t is made, on it or on a schedule derived from it (the one
+    its convolutions run over: plan_views.full_schedule / masked_schedule)."""
+    return "sorted_map_t" in gmap.derived_views or any(
+        "sorted_map_t" in getattr(view, "derived_views", ()) for view in gmap.derived_views.values())
 
 
 RECENT_PLANS = 16

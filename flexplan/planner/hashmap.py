@@ -84,6 +84,8 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     # 32-bit keys share their int64 slot with the row: no value table (the kernels never read
     # this one then; nmap stands in, saving an allocation per build).
     values = torch.empty(capacity, dtype=torch.int32, device=device) if key_64 else nmap
+    if not n and lanes:  # (no rows: no launch; the lanes' sums over nothing are 0)
+        problems[PROBLEM_SLOTS:PROBLEM_SLOTS + 2] = 0
     if n:
         launch_hash_insert(launch, keys, values, coords, n, capacity - 1, nmap, batch_size,
                            *spatial_shape, volume, key_64, lanes)

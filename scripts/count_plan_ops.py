@@ -21,9 +21,9 @@ import argparse
 import collections
 import os
 import statistics
-from dataclasses import replace
 import sys
 import time
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: interpreter kernels
 
@@ -161,9 +161,7 @@ def kinds(coords):
     return {
         "coords check (+identity)": (lambda _: coords_check(coords), None),
         "subm 3x3x3 inference": (build(SUBM, False), None),
-        "subm 3x3x3 inference, deferred (a first sighting's)": (
-            lambda _: build_plan(coords, SHAPE, BATCH, SUBM, backend="triton", check=False,
-                                 training=False, scheduled=False), None),
+        "subm 3x3x3 inference, deferred (a first sighting's)": (lambda _: deferred(), None),
         "subm 3x3x3 training": (build(SUBM, True), None),
         "subm 3x3x3 inference, checked": (
             lambda _: build_plan(coords, SHAPE, BATCH, SUBM, backend="triton", training=False),

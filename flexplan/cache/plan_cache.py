@@ -432,13 +432,10 @@ class PlanCache:
         items = plans.items() if isinstance(plans, Mapping) else [(self.key_of(p), p) for p in plans]
         keys = []
         for key, plan in items:
-            if plan.schedule_deferred:  # shipped plans serve repeats: scheduled, as repeats get
-                from ..planner import scheduled_plan
-
-                plan = scheduled_plan(plan)
             if key is None:
                 raise ValueError("save_plans: a plan was not made by this plan cache (or was "
                                  "freed); pass a {key: plan} mapping, keys from plan_cache.key()")
+            plan = self._served(key, plan)  # shipped plans serve repeats: scheduled, as repeats get
             binding = self._binding(key, plan)
             if binding is None:
                 raise ValueError(f"save_plans: plan {key} cannot be bound to its coordinates "

@@ -53,7 +53,7 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
         backend = "triton" if coords.is_cuda else "torch"
     with on_device_of(coords):
         return _build_plan(coords, shape, batch_size, geometry, backend, check, training,
-                           maps_only_request(geometry, training, scheduled), scheduled)
+                           scheduled)
 
 
 def scheduled_plan(plan: ConvPlan) -> ConvPlan:
@@ -65,8 +65,9 @@ def scheduled_plan(plan: ConvPlan) -> ConvPlan:
 
 
 def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
-                maps_only: bool, scheduled: bool = True) -> ConvPlan:
+                scheduled: bool = True) -> ConvPlan:
     if not geometry.submanifold:
+        maps_only = maps_only_request(geometry, training, scheduled)
         if check:
             check_coords(coords, shape, batch_size)
         if backend == "torch" or coords.shape[0] == 0:
@@ -74,6 +75,7 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
         return generative_plan_triton(coords, shape, output_spatial_shape(shape, geometry),
                                       batch_size, geometry, training, maps_only)
     signal_offsets = mirrored_signal_offsets(geometry.volume) if training else 0
+    unscheduled = not training and not scheduled  # (a first sighting's: schedule_deferred)
     if backend == "torch":
         if check:
             check_coords(coords, shape, batch_size)
@@ -82,7 +84,6 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
     else:
         # The schedule's sizes and state ride behind the problems, filled with the hash table
         # and read back with the problems in one sync (an unscheduled build has none).
-        unscheduled = not training and not scheduled
         layout = None if unscheduled else schedule_layout(coords.shape[0], geometry.volume,
                                                           PLAN_BLOCK_SIZES, signal_offsets)
         # (checked before: the flags are not read, the problems start at the schedule's slots)
@@ -96,7 +97,7 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
     # read when the backward needs it (ConvPlan.pairs_pending).
     defer = (signal_offsets > 0 and not num_flags and not capturing(coords.device)
              and deferred_pairs_bound(coords.shape[0], signal_offsets) <= DEFERRED_PAIRS_MAX)
-    if not training and not scheduled:  # the flags, if any, read alone (one sync)
+    if unscheduled:  # the flags, if any, read alone (one sync)
         fwd, signal = unscheduled_map(nmap), None
         flag_values = problems[:num_flags].tolist() if num_flags else None
     else:

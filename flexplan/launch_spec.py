@@ -54,6 +54,9 @@ FLOAT32, FLOAT64 = Tensor("float32"), Tensor("float64")
 FEATURE = Tensor("feature")  # the op's feature dtype (a float dtype; float32 for tf32)
 # What an op writes: the features' dtype, or float32 (a float32 master weight's gradient).
 OUTPUT = Tensor("output")
+# An eval BatchNorm's statistics and affine parameters in a conv's epilogue: the features'
+# dtype or float32 (an fp32 BatchNorm under autocast).
+NORM = Tensor("norm")
 ACCUMULATOR = Tensor("accumulator")  # split-K partial sums: float32 (float64 for float64 features)
 KEYS = Tensor("keys")  # packed voxel keys: int32 or int64 (planner/keys.py key_dtype)
 WORDS = Tensor("words")  # Gray-rank words: int32 or int64 (planner/segments_torch.py rank_words)

@@ -124,7 +124,7 @@ def _call_key(kernel, device: int, args: tuple, constexprs: dict):
     tuple (built inline: this runs on every launch); None for arguments of other types.
     A tensor adds its dtype and, where specialized, its 16-byte alignment (and on ROCm whether
     its storage fits 2 GiB); an int one code for == 1, divisible by 16 (where specialized) and
-    its width (never 0 or 1, which a bool argument adds: its value)."""
+    its width (never 0 or 1, which a bool argument adds: its value); a float the code 16."""
     key = [id(kernel), device]
     append = key.append
     known = _arg_specs.get(id(kernel))
@@ -144,6 +144,8 @@ def _call_key(kernel, device: int, args: tuple, constexprs: dict):
                 append(arg.untyped_storage().nbytes() <= _MAX_BUFFER_BYTES)
         elif kind is bool:
             append(arg)
+        elif kind is float:  # fp32 to every Triton, never specialized on its value
+            append(16)
         else:
             return None
     key.extend(constexprs.items())

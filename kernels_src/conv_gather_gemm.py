@@ -19,6 +19,10 @@ Constexpr switches (each a small, enumerable set, so the AOT build can list them
              split_tile_ticket: no second launch). The split count comes from the grid, so it
              costs no compiled variant. Without SPLIT, partials and tile_counts are not read.
   HAS_BIAS:  add bias[n] (bias_ptr is a dummy otherwise).
+  BN_RELU:   then an eval-mode BatchNorm and a ReLU, read from the BatchNorm's own running
+             statistics and affine parameters at the launch (ops/conv.py, EvalBatchNorm):
+             out = max((acc - mean) * weight / sqrt(var + eps) + bias, 0) in the accumulator's
+             dtype, rounded once (the bn_* pointers and bn_eps are dummies otherwise).
   PRECISION: how float32 inputs multiply (conv_common.dot_acc): ieee, tf32 or tf32x3.
 
 The weight is [N, V, K] contiguous: the layer weight [Co, V, Ci] for the forward, its transpose
@@ -42,10 +46,11 @@ from .conv_common import dot_acc, split_partials_sum, split_tile_ticket
 def conv_gather_gemm_kernel(
     src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr, valid_kernel_ptr,
     valid_kernel_seg_ptr, out_ptr, partials_ptr, tile_counts_ptr,
+    bn_mean_ptr, bn_var_ptr, bn_weight_ptr, bn_bias_ptr, bn_eps,
     M, K, N, V,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     MASKED: tl.constexpr, REVERSE_V: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr, CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr, CHUNK: tl.constexpr, BN_RELU: tl.constexpr,
 ):
     pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -122,4 +127,14 @@ def conv_gather_gemm_kernel(
     if last:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)[None, :]
+        if BN_RELU:
+            mean = tl.load(bn_mean_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
+            var = tl.load(bn_var_ptr + offs_n, mask=n_mask, other=1.0).to(acc.dtype)
+            gamma = tl.load(bn_weight_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
+            beta = tl.load(bn_bias_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
+            if src_ptr.dtype.element_ty == tl.float64:
+                scale = gamma / tl.sqrt(var + bn_eps)  # (IEEE for float64)
+            else:
+                scale = gamma / tl.sqrt_rn(var + bn_eps)  # (tl.sqrt: the fast approximation)
+            acc = tl.maximum((acc - mean[None, :]) * scale[None, :] + beta[None, :], 0.0)
         tl.store(out_ptr + tile_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)

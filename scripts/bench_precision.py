@@ -51,6 +51,10 @@ VARIANTS = {"flexplan-fused": {"fuse": True},
             # (plan_cache.DEFER_FIRST_SCHEDULE)
             "flexplan-scheduled-first-sightings": {"settings": (
                 ("flexplan.cache.plan_cache", "DEFER_FIRST_SCHEDULE", False),)},
+            # eval conv -> BatchNorm -> ReLU blocks module by module, as before session 40
+            # (nn/conv_epilogue.FUSE_BN_RELU: one kernel each)
+            "flexplan-unfused-blocks": {"settings": (
+                ("flexplan.nn.conv_epilogue", "FUSE_BN_RELU", False),)},
             # maps without a schedule through the implicit kernels, as before session 39
             "flexplan-implicit-unscheduled": {"settings": (
                 ("flexplan.ops.conv", "FULL_SCHEDULES", False),)},
@@ -86,6 +90,8 @@ VARIANT_RATIOS = {
     "flexplan-implicit-unscheduled": ("flexplan implicit over unscheduled maps / flexplan fp16",
                                       ("flexplan-implicit-unscheduled", "fp16"),
                                       ("flexplan", "fp16")),
+    "flexplan-unfused-blocks": ("flexplan unfused blocks / flexplan fp16",
+                                ("flexplan-unfused-blocks", "fp16"), ("flexplan", "fp16")),
     "flexplan-floor-conv": ("flexplan with a floor conv op / flexplan fp16",
                             ("flexplan-floor-conv", "fp16"), ("flexplan", "fp16")),
     "flexplan-no-graph-ops": ("flexplan without graph-op costs / flexplan fp16",
@@ -109,7 +115,7 @@ class _FloorConv(torch.autograd.Function):
                 grad_out.new_zeros(ctx.weight_shape), grad_bias, None)
 
 
-def _floor_conv(feats, plan, weight, bias=None, algo="auto", allow_tf32=False):
+def _floor_conv(feats, plan, weight, bias=None, algo="auto", allow_tf32=False, bn_relu=None):
     if torch.is_grad_enabled():
         return _FloorConv.apply(feats, weight, bias, plan.num_out)
     return feats.new_zeros(plan.num_out, weight.shape[0])

@@ -151,7 +151,7 @@ def test_call_classes_follow_the_decorators():
     assert how["K"] == how["N"] == how["src_ptr"] == how["partials_ptr"] == launcher.SPECIALIZED
     t = torch.zeros(64, dtype=torch.int32)
     f = torch.zeros(64)
-    args = [f, f, f, t, t, t, t, t, f, f, t, 16, 32, 64, 27]
+    args = [f, f, f, t, t, t, t, t, f, f, t, f, f, f, f, 1e-3, 16, 32, 64, 27]
 
     def key(**changes):
         call = list(args)

@@ -183,6 +183,8 @@ def _variant(describe: Callable, kernel, args: tuple, constexprs: dict) -> Varia
                                 "SIZE, but the kernel specializes it: annotate it int (the build "
                                 "gives its value)")
             out.append(("int", _int_example(int(arg), how)))
+        elif isinstance(arg, float):  # (fp32 to Triton, whatever its value)
+            out.append(("float", 0.0))
         else:
             raise TypeError(f"{describe.__qualname__} passes {param.name}={arg!r} to {where}")
     return Variant(_SHORT_NAMES[where], tuple(out), tuple(sorted(constexprs.items())))
@@ -211,7 +213,7 @@ def _acc_dtype(dtype: str) -> str:
 def gather_gemm_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
     """The launches of ops.conv.gather_gemm for one dispatched launch: grad-input over the
     forward map reversed (submanifold plans) or the backward map (the others); the forward with
-    and without bias. The output is in the features' dtype, split-K or not (the kernel sums
+    and without bias, and with a BatchNormReLU epilogue. The output is in the features' dtype, split-K or not (the kernel sums
     its accumulator-dtype partials)."""
     from ..ops.conv import launch_gather_gemm
 
@@ -221,10 +223,15 @@ def gather_gemm_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
     _, k, n = problem.gemm_mkn
     reverses = (True,) * (problem.v in SUBMANIFOLD_VOLUMES) + (False,) * (
         problem.v in STRIDED_VOLUMES) if problem.part == "dgrad" else ()
-    biases = (True, False) if problem.part == "fwd" else (False,)
-    for reverse, bias in itertools.product(reverses or (False,), biases):
-        yield record(launch_gather_gemm, dtypes, k=k, n=n, v=problem.v, cfg=cfg,
-                     masked=problem.algo.startswith("masked"), reverse=reverse, has_bias=bias,
+    # (bias, BatchNormReLU's dtype or None): the forward with and without bias, and without
+    # bias followed by an eval BatchNorm and ReLU of either dtype (flexplan.nn fuses those:
+    # nn/sparse_sequential.py); the norm tensors of the plain launches are not read.
+    epilogues = ([(True, None), (False, None)] + [(False, d) for d in sorted({feature, "float32"})]
+                 if problem.part == "fwd" else [(False, None)])
+    for reverse, (bias, norm) in itertools.product(reverses or (False,), epilogues):
+        yield record(launch_gather_gemm, dict(dtypes, norm=norm or feature), k=k, n=n,
+                     v=problem.v, cfg=cfg, masked=problem.algo.startswith("masked"),
+                     reverse=reverse, has_bias=bias, bn_relu=norm is not None, bn_eps=0.0,
                      dtype=launch.dtype, hip=hip)
 
 

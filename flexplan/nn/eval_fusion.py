@@ -21,21 +21,15 @@ from __future__ import annotations
 
 import torch
 
+from .conv_epilogue import BATCH_NORMS, CONV_FORWARDS as _CONV_FORWARDS, hooked as _hooked
 from .sparse_sequential import SparseSequential
 from .spconv_layers import SparseConvolution, SparseModule
 from .spconv_layers import SubMConv3d as SpconvSubMConv3d
 from .spconv_layers4d import SparseConvolution4d
-from .spconv_modules import FlexSparseSyncBatchNorm, SparseBatchNorm, SparseSyncBatchNorm
 from .submconv import SubMConv3d
-from .sync_batchnorm import SyncBatchNorm
 
-# Exact types: a subclass may compute something else in forward.
-BATCH_NORMS = frozenset({torch.nn.BatchNorm1d, torch.nn.SyncBatchNorm, SyncBatchNorm,
-                         SparseBatchNorm, SparseSyncBatchNorm, FlexSparseSyncBatchNorm})
-# The forwards whose output is conv(x, conv_weight(), bias) and nothing else, and the
-# conv_weight()s that are views of the weight parameter as stored.
-_CONV_FORWARDS = frozenset({SubMConv3d.forward, SpconvSubMConv3d.forward,
-                            SparseConvolution.forward})
+# The conv_weight()s that are views of the weight parameter as stored (the forwards whose
+# output is conv(x, conv_weight(), bias) and nothing else: conv_epilogue.CONV_FORWARDS).
 _CONV_WEIGHTS = frozenset({SubMConv3d.conv_weight, SpconvSubMConv3d.conv_weight,
                            SparseConvolution.conv_weight, SparseConvolution4d.conv_weight})
 
@@ -54,9 +48,6 @@ class FoldedBatchNorm(SparseModule):
         return f"{self.num_features} (folded into the conv before)"
 
 
-def _hooked(module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
 
 
 def foldable(conv, bn) -> bool:

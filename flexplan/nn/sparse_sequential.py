@@ -6,6 +6,7 @@ from collections import OrderedDict
 import torch
 
 from ..sparse_tensor import SparseTensor
+from .conv_epilogue import bn_relu_epilogue, fusing
 from .spconv_layers import SparseModule
 from .submconv import SubMConv3d
 
@@ -31,11 +32,33 @@ class SparseSequential(torch.nn.Sequential, SparseModule):
         self.name = None
 
     def forward(self, x):
+        if fusing():  # inference: conv -> BatchNorm -> ReLU blocks in one kernel
+            return self._forward_fused(x)
         for module in self:
             if is_sparse_module(module) or not isinstance(x, SparseTensor):
                 x = module(x)
             elif x.num_voxels:
                 x = x.replace_feats(module(x.feats))
+        return x
+
+    def _forward_fused(self, x):
+        """forward, with each qualifying conv -> BatchNorm -> ReLU run as the conv with their
+        epilogue (nn/conv_epilogue.py)."""
+        modules = list(self._modules.values())
+        i, count = 0, len(modules)
+        while i < count:
+            module = modules[i]
+            if is_sparse_module(module) or not isinstance(x, SparseTensor):
+                bn = (bn_relu_epilogue(module, modules[i + 1], modules[i + 2])
+                      if i + 2 < count and isinstance(x, SparseTensor) else None)
+                if bn is not None:
+                    x = module(x, bn_relu=bn)
+                    i += 3
+                    continue
+                x = module(x)
+            elif x.num_voxels:
+                x = x.replace_feats(module(x.feats))
+            i += 1
         return x
 
 

@@ -18,7 +18,7 @@ import torch
 from ..geometry import ConvGeometry, triple
 from ..kernel_configs import ALGORITHMS
 from ..cache.key import derived_identity
-from ..ops.conv import sparse_conv
+from ..ops.conv import BatchNormReLU, sparse_conv
 from ..plan_provider import tensor_plan
 from ..sparse_tensor import Plans
 from .sparse_conv_tensor import IndiceData, SparseConvTensor
@@ -211,7 +211,10 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
     def conv_weight(self) -> torch.Tensor:
         return op_weight(self.weight, self.geometry)
 
-    def forward(self, x: SparseConvTensor) -> SparseConvTensor:
+    def forward(self, x: SparseConvTensor, *,
+                bn_relu: BatchNormReLU | None = None) -> SparseConvTensor:
+        """bn_relu: an eval BatchNorm and ReLU applied to the output, before the layer's
+        activation (nn/conv_epilogue.py passes it only without one)."""
         _check_input(self, x)
         check_ndim(self, x)
         # (below, the tensor's 3D coords and grid: a 2D tensor's have a unit third axis)
@@ -221,7 +224,7 @@ class SparseConvolution(_LoadsNativeLayout, SparseModule):
         else:
             plan, plans, indice_dict = self._plan_and_record(x)
         feats = sparse_conv(x.features, plan, self.conv_weight(), self.bias, self.algo,
-                            self.allow_tf32)
+                            self.allow_tf32, bn_relu)
         feats = apply_activation(feats, self.act_type, self.act_alpha)
         return x._derived(feats, plan.out_coords, plan.out_spatial_shape, indice_dict, plans)
 
@@ -353,10 +356,11 @@ class SubMConv3d(_LoadsNativeLayout, _SubMConv3d, SparseModule):
     def conv_weight(self) -> torch.Tensor:
         return op_weight(self.weight, self.geometry)
 
-    def forward(self, x: SparseConvTensor) -> SparseConvTensor:
+    def forward(self, x: SparseConvTensor, *,
+                bn_relu: BatchNormReLU | None = None) -> SparseConvTensor:
         _check_input(self, x)
         check_ndim(self, x)
-        out = super().forward(x)
+        out = super().forward(x, bn_relu=bn_relu)
         if self.geometry.volume == 1:  # no neighbours, no plan: the key names nothing (spconv's
             return out                  # 1x1 path ignores it too, and may share a 3x3x3 conv's)
         out.indice_dict = _record(x.indice_dict, self.indice_key, self.geometry, x.coords,

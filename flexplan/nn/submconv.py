@@ -6,7 +6,7 @@ import math
 import torch
 
 from ..geometry import ConvGeometry
-from ..ops.conv import sparse_conv
+from ..ops.conv import BatchNormReLU, bn_relu_torch, sparse_conv
 from ..plan_provider import tensor_plan
 from ..sparse_tensor import SparseTensor
 
@@ -45,7 +45,8 @@ class SubMConv3d(torch.nn.Module):
         """The weight the op takes, [Co, Kx, Ky, Kz, Ci] (a subclass may store another view)."""
         return self.weight
 
-    def forward(self, x: SparseTensor) -> SparseTensor:
+    def forward(self, x: SparseTensor, *, bn_relu: BatchNormReLU | None = None) -> SparseTensor:
+        """bn_relu: an eval BatchNorm and ReLU applied to the output (nn/conv_epilogue.py)."""
         if not isinstance(x, SparseTensor):
             raise TypeError(f"SubMConv3d expects a SparseTensor, got {type(x).__name__}")
         if self.geometry.volume == 1:
@@ -55,11 +56,12 @@ class SubMConv3d(torch.nn.Module):
                 raise ValueError(f"SubMConv3d expects {self.in_channels} input channels, got "
                                  f"features of shape {tuple(x.feats.shape)}")
             weight = self.conv_weight().reshape(self.out_channels, self.in_channels)
-            return x.replace_feats(torch.nn.functional.linear(x.feats, weight, self.bias))
+            feats = torch.nn.functional.linear(x.feats, weight, self.bias)
+            return x.replace_feats(feats if bn_relu is None else bn_relu_torch(feats, bn_relu))
         # Under no_grad / inference_mode nothing will be differentiated: an inference plan.
         plan = tensor_plan(x, self.geometry, training=torch.is_grad_enabled(), asker=self)
         feats = sparse_conv(x.feats, plan, self.conv_weight(), self.bias, self.algo,
-                            self.allow_tf32)
+                            self.allow_tf32, bn_relu)
         return x.replace_feats(feats)
 
     def extra_repr(self) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -33,7 +33,7 @@ from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM,
 from ..kernels_src.conv_gather_gemm import conv_gather_gemm_kernel
 from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
 from ..kernels_src.conv_wgrad import conv_wgrad_kernel
-from ..launch_spec import ACCUMULATOR, FEATURE, INT32, OUTPUT, SIZE
+from ..launch_spec import ACCUMULATOR, FEATURE, INT32, NORM, OUTPUT, SIZE
 from ..launcher import cdiv, launch
 from ..plan import MISSING, ConvPlan, GatherMap, kernels_run_on
 from . import torch_fallback
@@ -43,6 +43,27 @@ from .graph_ops import GRAPH_OP_TAGS, op_context
 from ..tuning.dispatch import answers_epoch, select_config
 
 AUTO = "auto"
+
+
+class BatchNormReLU(NamedTuple):
+    """An eval-mode BatchNorm followed by a ReLU, as a convolution's epilogue applies it:
+    out = max((conv - mean) * weight / sqrt(var + eps) + bias, 0) per output channel. The
+    tensors are the BatchNorm's own running statistics and affine parameters ([Co] each, one
+    dtype: the features' or float32), read when the kernel runs (never a copy that could go
+    stale); the gather-GEMM applies it in its accumulator before the one rounding."""
+    mean: torch.Tensor
+    var: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    eps: float
+
+
+def bn_relu_torch(out: torch.Tensor, bn: BatchNormReLU) -> torch.Tensor:
+    """The epilogue in torch ops, on a computed output (paths without the fused kernel)."""
+    acc = torch_fallback.accumulator_dtype(out.dtype)
+    scale = bn.weight.to(acc) * torch.rsqrt(bn.var.to(acc) + bn.eps)
+    shifted = (out.to(acc) - bn.mean.to(acc)) * scale + bn.bias.to(acc)
+    return shifted.clamp_min_(0).to(out.dtype)
 
 
 def _dtype_name(dtype: torch.dtype, allow_tf32: bool, device: torch.device | None = None) -> str:
@@ -79,10 +100,11 @@ def _block_for(gmap: GatherMap, block_m: int) -> int:
 # a process sees a few hundred combinations at most). The dicts are shared: read, never modify.
 @functools.lru_cache(maxsize=1024)
 def gather_gemm_constexprs(cfg: KernelConfig, masked: bool, reverse: bool, has_bias: bool,
-                           dtype: str, hip: bool) -> dict:
-    """dtype: the Problem's (DTYPES); hip: compiled for a ROCm backend."""
+                           dtype: str, hip: bool, bn_relu: bool = False) -> dict:
+    """dtype: the Problem's (DTYPES); hip: compiled for a ROCm backend; bn_relu: the
+    BatchNormReLU epilogue."""
     return dict(cfg.launch_kwargs(), MASKED=masked, REVERSE_V=reverse, HAS_BIAS=has_bias,
-                PRECISION=dot_precision(dtype, hip), CHUNK=SCHEDULE_CHUNK)
+                PRECISION=dot_precision(dtype, hip), CHUNK=SCHEDULE_CHUNK, BN_RELU=bn_relu)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -93,16 +115,19 @@ def wgrad_constexprs(cfg: KernelConfig, dtype: str, hip: bool) -> dict:
 def launch_gather_gemm(run, src: FEATURE, weight: FEATURE, bias: FEATURE, sorted_map_t: INT32,
                        sorted_idx: INT32, chunk_order: INT32, valid_kernel: INT32,
                        valid_kernel_seg: INT32, out: OUTPUT, partials: ACCUMULATOR,
-                       tile_counts: INT32, m: SIZE, k: int, n: int, v: int, cfg: KernelConfig,
-                       masked: bool, reverse: bool, has_bias: bool, dtype: str, hip: bool) -> None:
+                       tile_counts: INT32, bn_mean: NORM, bn_var: NORM, bn_weight: NORM,
+                       bn_bias: NORM, bn_eps: float, m: SIZE, k: int, n: int, v: int,
+                       cfg: KernelConfig, masked: bool, reverse: bool, has_bias: bool,
+                       bn_relu: bool, dtype: str, hip: bool) -> None:
     """out[m, n] = sum_v src[map[m, v]] @ W_v (+ bias) over a map's m rows; weight read as
     [n, v, k]; bias read only with has_bias; partials ([S, m, n]) and tile_counts (one zeroed
-    counter per output tile, split_tile_counts) read only under split-K."""
+    counter per output tile, split_tile_counts) read only under split-K; the bn_* (a
+    BatchNormReLU's) read only with bn_relu."""
     split = cfg.splitk > 1
     run(conv_gather_gemm_kernel, (output_tiles(m, n, cfg), cfg.splitk),
         src, weight, bias, sorted_map_t, sorted_idx, chunk_order, valid_kernel, valid_kernel_seg,
-        out, partials if split else out, tile_counts, m, k, n, v,
-        **gather_gemm_constexprs(cfg, masked, reverse, has_bias, dtype, hip))
+        out, partials if split else out, tile_counts, bn_mean, bn_var, bn_weight, bn_bias, bn_eps,
+        m, k, n, v, **gather_gemm_constexprs(cfg, masked, reverse, has_bias, dtype, hip, bn_relu))
 
 
 def launch_wgrad(run, grad_out: FEATURE, src: FEATURE, pair_out: INT32, pair_in: INT32,
@@ -171,17 +196,20 @@ def dgrad_map(plan: ConvPlan) -> tuple[GatherMap, bool]:
 
 
 def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, algo: str,
-                allow_tf32: bool) -> torch.Tensor:
-    """out[m] = sum_v src[map[m, v]] @ W_v; W_v = W[:, v, :]^T (fwd) or W[:, v', :] (dgrad)."""
+                allow_tf32: bool, bn: BatchNormReLU | None = None) -> torch.Tensor:
+    """out[m] = sum_v src[map[m, v]] @ W_v; W_v = W[:, v, :]^T (fwd) or W[:, v', :] (dgrad);
+    then bn's epilogue, if given (the Triton kernel applies it before rounding)."""
     co, v, ci = weight.shape
     m = gmap.num_rows
     k, n = (ci, co) if part == "fwd" else (co, ci)
     if m == 0:
         return src.new_empty((m, n))
     if not kernels_run_on(src):  # CPU tensors and compiled kernels: torch alone
-        return torch_fallback.gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
+        out = torch_fallback.gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
+        return out if bn is None else bn_relu_torch(out, bn)
     if algo == "explicit":
-        return _explicit_gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
+        out = _explicit_gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
+        return out if bn is None else bn_relu_torch(out, bn)
     if not gmap.valid_kernel and algo.startswith("masked"):
         # A map without a schedule (a first sighting's submanifold inference map, an inference
         # plan's inverse): a big convolution schedules it, a small one runs every offset of
@@ -206,10 +234,19 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
         tile_counts = split_tile_counts(src.device, output_tiles(m, n, cfg))
     else:  # (not read)
         partials, tile_counts = out, gmap.sorted_idx
+    if bn is None:  # (not read: any tensor of one dtype)
+        bn = _NO_BN._replace(mean=w_nvk, var=w_nvk, weight=w_nvk, bias=w_nvk)
+        fused = False
+    else:
+        fused = True
     launch_gather_gemm(launch, src, w_nvk, bias if bias is not None else w_nvk, map_t,
                        gmap.sorted_idx, chunks, valid_kernel, valid_kernel_seg, out, partials,
-                       tile_counts, m, k, n, v, cfg, masked, reverse, bias is not None, dtype, hip)
+                       tile_counts, *bn, m, k, n, v, cfg, masked, reverse, bias is not None,
+                       fused, dtype, hip)
     return out
+
+
+_NO_BN = BatchNormReLU(None, None, None, None, 0.0)
 
 
 # The multiply-adds (rows x offsets x Ci x Co) from which a convolution over a map without a
@@ -371,12 +408,14 @@ _resolve_algo, _gather_gemm, _wgrad = resolve_algo, gather_gemm, wgrad
 
 # ---------------------------------------------------------------- autograd
 
-def conv_forward(feats, weight, bias, plan: ConvPlan, algo: str, allow_tf32: bool):
-    """The forward of SparseConvFunction (weight [Co, V, Ci], tensors contiguous)."""
+def conv_forward(feats, weight, bias, plan: ConvPlan, algo: str, allow_tf32: bool,
+                 bn: BatchNormReLU | None = None):
+    """The forward of SparseConvFunction (weight [Co, V, Ci], tensors contiguous); bn: an
+    epilogue (inference only: nothing here differentiates it)."""
     co, v, ci = weight.shape
     fwd_algo = resolve_algo(algo, "fwd", plan.num_out, ci, co, v,
                             _dtype_name(feats.dtype, allow_tf32, feats.device))
-    return gather_gemm(feats, weight, bias, plan.fwd, False, "fwd", fwd_algo, allow_tf32)
+    return gather_gemm(feats, weight, bias, plan.fwd, False, "fwd", fwd_algo, allow_tf32, bn)
 
 
 class SparseConvFunction(torch.autograd.Function):
@@ -504,7 +543,8 @@ def _autocast_dtype(feats) -> torch.dtype | None:
 
 def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
                 bias: torch.Tensor | None = None, algo: str = AUTO,
-                allow_tf32: bool | None = False) -> torch.Tensor:
+                allow_tf32: bool | None = False,
+                bn_relu: BatchNormReLU | None = None) -> torch.Tensor:
     """Sparse 3D convolution of feats [N_in, Ci] over `plan`; returns [N_out, Co].
 
     weight: [Co, Kx, Ky, Kz, Ci] (the plan's kernel size; a 4D plan's: [Co, K0, K1, K2, K3, Ci]);
@@ -520,20 +560,52 @@ def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
     Under torch.autocast (fp16 or bf16) the op runs like torch's convolutions: feats, weight
     and bias are cast to the autocast dtype (differentiably: an fp32 master weight gets an fp32
     gradient) and the output is in that dtype. Outside autocast, dtypes must match.
+
+    bn_relu: an eval-mode BatchNorm and a ReLU applied to the output (what a conv -> BatchNorm
+    -> ReLU block computes in eval mode; flexplan.nn's SparseSequential passes it there). With
+    nothing to differentiate the kernel applies it before rounding (the BatchNorm's tensors in
+    the features' dtype or float32); else torch ops after the convolution.
     """
     if torch.compiler.is_compiling():  # the graph's op (below), not a graph break
-        return _graph_sparse_conv(feats, plan, weight, bias, algo, allow_tf32)
-    return _eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32)
+        out = _graph_sparse_conv(feats, plan, weight, bias, algo, allow_tf32)
+        return out if bn_relu is None else bn_relu_torch(out, bn_relu)
+    return _eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32, bn_relu)
+
+
+def _check_bn(bn: BatchNormReLU, channels: int, device: torch.device) -> None:
+    if not isinstance(bn, BatchNormReLU):
+        raise TypeError(f"bn_relu must be a BatchNormReLU, got {type(bn).__name__}")
+    for name in ("mean", "var", "weight", "bias"):
+        t = getattr(bn, name)
+        if not isinstance(t, torch.Tensor) or t.shape != (channels,) or t.device != device:
+            raise ValueError(f"bn_relu.{name} must be a [{channels}] tensor on {device}, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+
+
+def _bn_in_kernel(bn: BatchNormReLU, dtype: torch.dtype) -> bool:
+    """Whether the kernel reads bn as it is: one dtype for its tensors, the features' or
+    float32 (the variants AOT bundles hold), each contiguous."""
+    t = bn.mean
+    return (t.dtype in (dtype, torch.float32) and all(
+        x.dtype == t.dtype and x.is_contiguous() for x in bn[:4]))
 
 
 @opaque
-def _eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32):
+def _eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32, bn=None):
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cudnn.allow_tf32
     cast = _autocast_dtype(feats)
     if cast is not None:
         feats = feats.to(cast)
     _check(feats, plan, weight, bias, algo, cast)
+    if bn is not None:
+        _check_bn(bn, weight.shape[0], feats.device)
+        if (torch.is_grad_enabled() and (bn.weight.requires_grad or bn.bias.requires_grad)) or (
+                not _bn_in_kernel(bn, feats.dtype)):
+            # Differentiable through the BatchNorm's parameters, or tensors the kernel does
+            # not read: the epilogue in torch ops.
+            return bn_relu_torch(_eager_sparse_conv(feats, plan, weight, bias, algo,
+                                                    allow_tf32), bn)
     co, ci = weight.shape[0], weight.shape[-1]  # (a 4D plan's weight has 6 axes)
     w = weight.reshape(co, -1, ci).contiguous()
     b = bias.contiguous() if bias is not None else None
@@ -542,10 +614,13 @@ def _eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32):
     differentiable = torch.is_grad_enabled() and (
         feats.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
     device_type = feats.device.type
+    if bn is not None and differentiable:
+        return bn_relu_torch(_eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32),
+                             bn)
     with on_device_of(feats):
         if cast is None:
             if not differentiable:
-                return conv_forward(feats.contiguous(), w, b, plan, algo, bool(allow_tf32))
+                return conv_forward(feats.contiguous(), w, b, plan, algo, bool(allow_tf32), bn)
             return SparseConvFunction.apply(feats.contiguous(), w, b, plan, algo,
                                             bool(allow_tf32))
         # Under autocast the op's own torch ops (sums, explicit GEMMs with out=) must not cast
@@ -556,7 +631,7 @@ def _eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32):
             if not differentiable:
                 return conv_forward(feats.contiguous(), w.to(cast),
                                     None if b is None else b.to(cast), plan, algo,
-                                    bool(allow_tf32))
+                                    bool(allow_tf32), bn)
             return SparseConvFunction.apply(feats.contiguous(), w, b, plan, algo,
                                             bool(allow_tf32), cast)
         finally:

@@ -1,0 +1,218 @@
+"""Eval-mode conv -> BatchNorm -> ReLU blocks in one kernel (ops.conv.BatchNormReLU, applied by
+SparseSequential: nn/conv_epilogue.py): the fused block against the three modules run in float64,
+for every dtype and both BatchNorm dtypes; which blocks fuse and which run module by module."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import flexplan.nn.spconv as spconv
+import flexplan.ops.conv as conv_ops
+from flexplan import launcher
+from flexplan.nn import conv_epilogue
+from flexplan.ops import BatchNormReLU, sparse_conv
+from flexplan.planner import build_plan
+from flexplan.geometry import ConvGeometry
+from flexplan.workloads import random_coords
+
+SHAPE = (9, 8, 7)
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+
+
+def randomize_bn(bn, gen):
+    c = bn.num_features
+    bn.running_mean.copy_(torch.randn(c, generator=gen, dtype=torch.float64))
+    bn.running_var.copy_(torch.rand(c, generator=gen, dtype=torch.float64) + 0.5)
+    if bn.affine:
+        bn.weight.data.copy_(torch.rand(c, generator=gen, dtype=torch.float64) + 0.5)
+        bn.bias.data.copy_(torch.randn(c, generator=gen, dtype=torch.float64))
+
+
+def blocks(gen):
+    """post_act_blocks: submanifold, strided, inverse (the U-Net's three kinds)."""
+    net = spconv.SparseSequential(
+        spconv.SubMConv3d(5, 8, 3, bias=False, indice_key="s1"),
+        torch.nn.BatchNorm1d(8, eps=1e-3), torch.nn.ReLU(),
+        spconv.SparseConv3d(8, 12, 3, stride=2, padding=1, bias=False, indice_key="d1"),
+        spconv.SparseBatchNorm(12), spconv.SparseReLU(),
+        spconv.SparseInverseConv3d(12, 6, 3, indice_key="d1", bias=False),
+        torch.nn.BatchNorm1d(6), torch.nn.ReLU(inplace=True))
+    for m in net:
+        if isinstance(m, torch.nn.BatchNorm1d):
+            randomize_bn(m, gen)
+    return net
+
+
+def inputs(gen, device, dtype=torch.float64, channels=5):
+    coords = random_coords(150, SHAPE, 2, generator=gen)
+    feats = torch.randn(coords.shape[0], channels, generator=gen, dtype=torch.float64).to(dtype)
+    return lambda: spconv.SparseConvTensor(feats.to(device), coords.to(device), SHAPE, 2)
+
+
+@pytest.fixture
+def fused_launches(monkeypatch):
+    """The gather-GEMM launches that carried the epilogue (BN_RELU), counted."""
+    seen = []
+    real = launcher.launch
+
+    def spy(kernel, grid, *args, **constexprs):
+        if constexprs.get("BN_RELU"):
+            seen.append(constexprs)
+        return real(kernel, grid, *args, **constexprs)
+
+    monkeypatch.setattr(conv_ops, "launch", spy)
+    return seen
+
+
+def run_unfused(net, x):
+    old = conv_epilogue.FUSE_BN_RELU
+    conv_epilogue.FUSE_BN_RELU = False
+    try:
+        with torch.no_grad():
+            return net(x())
+    finally:
+        conv_epilogue.FUSE_BN_RELU = old
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_fused_blocks_against_float64(dtype, device, fused_launches):
+    gen = torch.Generator().manual_seed(0)
+    net = blocks(gen).double().to(device).eval()
+    x64 = inputs(gen, device)
+    want = run_unfused(net, x64)
+    assert not fused_launches
+    low = copy.deepcopy(net).to(dtype)
+    x = lambda: spconv.SparseConvTensor(x64().features.to(dtype), x64().indices, SHAPE, 2)  # noqa: E731
+    with torch.no_grad():
+        got = low(x())
+    assert len(fused_launches) == 3  # each block one launch with the epilogue
+    assert got.features.dtype == dtype and torch.equal(got.indices, want.indices)
+    assert (want.features == 0).any() and (want.features > 0).any()  # the ReLU bites
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.features.double(), want.features, rtol=tol, atol=tol)
+    # Not less accurate than the modules one by one in the same dtype (one rounding fewer).
+    plain = run_unfused(low, x)
+    err = (got.features.double() - want.features).abs().max()
+    assert err <= 2 * (plain.features.double() - want.features).abs().max() + 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_with_float32_batchnorm(dtype, device, fused_launches):
+    """An fp32 model under autocast: the conv in the autocast dtype, the BatchNorm's fp32
+    tensors read as they are (the kernel's float32 norm variant)."""
+    if device.type == "cpu" and dtype == torch.float16:
+        pytest.skip("CPU autocast is bf16")
+    gen = torch.Generator().manual_seed(1)
+    net = blocks(gen).float().to(device).eval()
+    x64 = inputs(gen, device)
+    want = run_unfused(copy.deepcopy(net).double(), x64)
+    x = lambda: spconv.SparseConvTensor(x64().features.float(), x64().indices, SHAPE, 2)  # noqa: E731
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
+        got = net(x())
+    assert len(fused_launches) == 3
+    assert got.features.dtype == dtype
+    torch.testing.assert_close(got.features.double(), want.features, rtol=TOL[dtype],
+                               atol=TOL[dtype])
+
+
+def test_op_epilogue_and_its_gradients(device, fused_launches):
+    """sparse_conv(bn_relu=...): the kernel's epilogue without grad; with grad (through the
+    BatchNorm's parameters too) torch ops after the conv, gradients as the modules'."""
+    gen = torch.Generator().manual_seed(2)
+    coords = random_coords(120, SHAPE, 1, generator=gen).to(device)
+    geometry = ConvGeometry.make(3, 1, 1, 0, submanifold=True)
+    plan = build_plan(coords, SHAPE, 1, geometry)
+    feats = torch.randn(coords.shape[0], 4, generator=gen, dtype=torch.float64).to(device)
+    weight = torch.randn(6, 3, 3, 3, 4, generator=gen, dtype=torch.float64).to(device)
+    bn = torch.nn.BatchNorm1d(6).double().to(device).eval()
+    randomize_bn(bn, gen)
+    norm = BatchNormReLU(bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
+    want = torch.relu(bn(sparse_conv(feats, plan, weight)))
+    with torch.no_grad():
+        got = sparse_conv(feats, plan, weight, bn_relu=norm)
+    assert len(fused_launches) == 1
+    torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
+
+    f, w = feats.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = sparse_conv(f, plan, w, bn_relu=norm)
+    assert len(fused_launches) == 1  # differentiable: not the kernel's epilogue
+    f2, w2 = feats.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = torch.relu(bn(sparse_conv(f2, plan, w2)))
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device)
+    grads = torch.autograd.grad(out, (f, w, bn.weight, bn.bias), g)
+    ref_grads = torch.autograd.grad(ref, (f2, w2, bn.weight, bn.bias), g)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="bn_relu.mean"):
+        sparse_conv(feats, plan, weight, bn_relu=norm._replace(mean=bn.running_mean[:3]))
+    with pytest.raises(TypeError, match="BatchNormReLU"):
+        sparse_conv(feats, plan, weight, bn_relu=bn)
+
+
+def test_blocks_that_do_not_fuse(device, fused_launches):
+    """Each block below runs module by module (and gives what the modules give)."""
+    gen = torch.Generator().manual_seed(3)
+
+    class Shifted(spconv.SubMConv3d):  # a forward of its own
+        def forward(self, x, **kwargs):
+            out = super().forward(x, **kwargs)
+            return out.replace_feature(out.features + 1)
+
+    class MyNorm(torch.nn.BatchNorm1d):  # a subclass may compute something else
+        pass
+
+    def block(conv=None, bn=None, act=None):
+        bn = bn if bn is not None else torch.nn.BatchNorm1d(4)
+        if bn.running_mean is not None:
+            randomize_bn(bn, gen)
+        conv = conv if conv is not None else spconv.SubMConv3d(5, 4, 3, bias=False)
+        return spconv.SparseSequential(conv, bn, act or torch.nn.ReLU()).double().to(device).eval()
+
+    training = block()
+    training[1].train()
+    hooked_conv, hooked_bn, hooked_relu = block(), block(), block()
+    hooked_conv[0].register_forward_hook(lambda *a: None)
+    hooked_bn[1].register_forward_hook(lambda *a: None)
+    hooked_relu[2].register_forward_pre_hook(lambda *a: None)
+    nets = [training, hooked_conv, hooked_bn, hooked_relu,
+            block(spconv.SubMConv3d(5, 4, 3, bias=True)),  # a bias (no variant: not fused)
+            block(bn=torch.nn.BatchNorm1d(4, affine=False)),
+            block(bn=torch.nn.BatchNorm1d(4, track_running_stats=False)),
+            block(bn=MyNorm(4)), block(act=torch.nn.LeakyReLU()),
+            block(Shifted(5, 4, 3, bias=False)),
+            block(spconv.SparseConv3d(5, 4, 3, bias=False, act_type="ReLU"))]
+    x = inputs(gen, device)
+    for i, net in enumerate(nets):
+        want = run_unfused(net, x)
+        with torch.no_grad():
+            got = net(x())
+        torch.testing.assert_close(got.features, want.features, rtol=1e-12, atol=1e-12,
+                                   msg=str(i))  # (the second sighting: scheduled)
+    assert not fused_launches
+    # Grad mode on (eval): nothing fuses either.
+    net = block()
+    with torch.enable_grad():
+        net(x())
+    assert not fused_launches
+    with torch.no_grad():
+        net(x())
+    assert len(fused_launches) == 1
+
+
+def test_the_shipped_bundles_hold_the_fused_variants():
+    """The AOT variants of a forward gather-GEMM include the epilogue, in the features' dtype
+    and in float32 (and every recorded launch passes a float eps the launcher can key)."""
+    from flexplan.aot import variants
+
+    kernel = conv_ops.conv_gather_gemm_kernel
+    key = launcher._call_key(kernel, 0, (torch.empty(4), 1e-3, 7), {})
+    assert key is not None and 16 in key
+    every = variants.conv_variants("sm_90", channels=(16, 32))
+    found = [v for v in every if v.kernel == variants.GATHER_GEMM
+             and dict(v.constexprs).get("BN_RELU")]
+    assert found
+    norms = {(v.args[0][1], v.args[11][1]) for v in found}  # (src dtype, bn_mean dtype)
+    assert ("float16", "float16") in norms and ("float16", "float32") in norms
+    assert all(v.args[15] == ("float", 0.0) and not dict(v.constexprs)["HAS_BIAS"] for v in found)

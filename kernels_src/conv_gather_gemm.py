@@ -22,7 +22,8 @@ Constexpr switches (each a small, enumerable set, so the AOT build can list them
   BN_RELU:   then an eval-mode BatchNorm and a ReLU, read from the BatchNorm's own running
              statistics and affine parameters at the launch (ops/conv.py, EvalBatchNorm):
              out = max((acc - mean) * weight / sqrt(var + eps) + bias, 0) in the accumulator's
-             dtype, rounded once (the bn_* pointers and bn_eps are dummies otherwise).
+             dtype, rounded once (the bn_* pointers and bn_eps are dummies otherwise). Not for
+             float64 features: bn_eps, a float argument, arrives as float32.
   PRECISION: how float32 inputs multiply (conv_common.dot_acc): ieee, tf32 or tf32x3.
 
 The weight is [N, V, K] contiguous: the layer weight [Co, V, Ci] for the forward, its transpose
@@ -132,9 +133,6 @@ def conv_gather_gemm_kernel(
             var = tl.load(bn_var_ptr + offs_n, mask=n_mask, other=1.0).to(acc.dtype)
             gamma = tl.load(bn_weight_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
             beta = tl.load(bn_bias_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
-            if src_ptr.dtype.element_ty == tl.float64:
-                scale = gamma / tl.sqrt(var + bn_eps)  # (IEEE for float64)
-            else:
-                scale = gamma / tl.sqrt_rn(var + bn_eps)  # (tl.sqrt: the fast approximation)
+            scale = gamma / tl.sqrt_rn(var + bn_eps)  # (tl.sqrt: the fast approximation)
             acc = tl.maximum((acc - mean[None, :]) * scale[None, :] + beta[None, :], 0.0)
         tl.store(out_ptr + tile_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)

@@ -226,7 +226,8 @@ def gather_gemm_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
     # (bias, BatchNormReLU's dtype or None): the forward with and without bias, and without
     # bias followed by an eval BatchNorm and ReLU of either dtype (flexplan.nn fuses those:
     # nn/sparse_sequential.py); the norm tensors of the plain launches are not read.
-    epilogues = ([(True, None), (False, None)] + [(False, d) for d in sorted({feature, "float32"})]
+    norms = sorted({feature, "float32"}) if feature != "float64" else []  # (float64: torch's)
+    epilogues = ([(True, None), (False, None)] + [(False, d) for d in norms]
                  if problem.part == "fwd" else [(False, None)])
     for reverse, (bias, norm) in itertools.product(reverses or (False,), epilogues):
         yield record(launch_gather_gemm, dict(dtypes, norm=norm or feature), k=k, n=n,

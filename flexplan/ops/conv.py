@@ -584,9 +584,10 @@ def _check_bn(bn: BatchNormReLU, channels: int, device: torch.device) -> None:
 
 def _bn_in_kernel(bn: BatchNormReLU, dtype: torch.dtype) -> bool:
     """Whether the kernel reads bn as it is: one dtype for its tensors, the features' or
-    float32 (the variants AOT bundles hold), each contiguous."""
+    float32 (the variants AOT bundles hold), each contiguous; not for float64 features (the
+    kernel gets eps as a float32: float64 would lose its precision there)."""
     t = bn.mean
-    return (t.dtype in (dtype, torch.float32) and all(
+    return (dtype != torch.float64 and t.dtype in (dtype, torch.float32) and all(
         x.dtype == t.dtype and x.is_contiguous() for x in bn[:4]))
 
 

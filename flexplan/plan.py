@@ -262,7 +262,9 @@ class GatherMap:
                       the same map scheduled, for a big convolution over a map built without
                       its schedule), kept with this map object once
                       made. The map never fills it itself (it is a passive value):
-                      flexplan/plan_views.py derives each view on first use and keeps it here.
+                      flexplan/plan_views.py derives each view on first use and keeps it here;
+                      a planner whose kernels wrote sorted_map_t with the map puts it here as
+                      it makes the map (with_sorted_map_t).
                       Not written to plan files, not pickled, not carried by map_tensors / to().
     launch_memo:      key -> what a convolution's launch over this map takes from it and from
                       dispatch (config, views), kept by flexplan/ops/conv.py for the map's next
@@ -324,6 +326,14 @@ class GatherMap:
         return (GatherMap, (self.neighbor_map, self.sorted_idx, dict(self.valid_kernel),
                             dict(self.valid_kernel_seg)))
 
+
+
+
+def with_sorted_map_t(gmap: GatherMap, map_t: torch.Tensor) -> GatherMap:
+    """gmap, holding map_t as its sorted_map_t view: for a planner whose kernels wrote the map
+    in sorted order [V, M] along with the map (the view's one launch saved), as it makes gmap."""
+    gmap.derived_views["sorted_map_t"] = map_t
+    return gmap
 
 @dataclass(frozen=True)
 class ConvPlan:

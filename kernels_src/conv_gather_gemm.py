@@ -134,5 +134,7 @@ def conv_gather_gemm_kernel(
             gamma = tl.load(bn_weight_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
             beta = tl.load(bn_bias_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
             scale = gamma / tl.sqrt_rn(var + bn_eps)  # (tl.sqrt: the fast approximation)
-            acc = tl.maximum((acc - mean[None, :]) * scale[None, :] + beta[None, :], 0.0)
+            # (NaN stays NaN, as torch.relu keeps it; the default maximum would drop it)
+            acc = tl.maximum((acc - mean[None, :]) * scale[None, :] + beta[None, :], 0.0,
+                             propagate_nan=tl.PropagateNan.ALL)
         tl.store(out_ptr + tile_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)

@@ -148,13 +148,15 @@ def _unions(masks, previous, l: tl.constexpr, B0: tl.constexpr, ROWS: tl.constex
 
 
 @triton.jit
-def _chunk_tile(sorted_ranks, order, sorted_idx, plan_out, readback, state, n, c, chunks,
-                kernels_at, segs_at, V: tl.constexpr, WORDS: tl.constexpr,
+def _chunk_tile(sorted_ranks, order, nmap, map_t, sorted_idx, plan_out, readback, state, n, c,
+                chunks, kernels_at, segs_at, V: tl.constexpr, WORDS: tl.constexpr,
                 WORD_BITS: tl.constexpr, B0: tl.constexpr, LEVELS: tl.constexpr,
                 FLAGS: tl.constexpr, ROWS: tl.constexpr, LOOK_BACK: tl.constexpr):
     """Chunk c of ROWS sorted rows, which holds whole blocks of every block size: their unions
     and offset counts; one look-back with a column per block size; then each size's segs and
-    offsets. sorted_idx = int32(order) on the way; the last chunk reports each size's total."""
+    offsets. sorted_idx = int32(order) on the way; the last chunk reports each size's total.
+    Last (after its prefix is published: no tile waits for it), the chunk's columns of map_t
+    [V, n], the map in sorted order as the gather kernels read it (plan_views.sorted_map_t)."""
     MASK_BITS: tl.constexpr = WORD_BITS - 1
     WORDS_P2: tl.constexpr = triton.next_power_of_2(WORDS)
     LEVELS_P2: tl.constexpr = triton.next_power_of_2(LEVELS)
@@ -186,6 +188,10 @@ def _chunk_tile(sorted_ranks, order, sorted_idx, plan_out, readback, state, n, c
                      n_blocks, B0 << l, WORDS, WORD_BITS, ROWS)
         region += _aligned(n_blocks * V)
         seg_at += _aligned(n_blocks + 1)
+    source = tl.load(order + rows, mask=live, other=0).to(tl.int64) * V
+    for v in tl.range(0, V):
+        entry = tl.load(nmap + source + v, mask=live, other=MISSING)
+        tl.store(map_t + v * n.to(tl.int64) + rows, entry, mask=live)
 
 
 @triton.jit
@@ -230,8 +236,8 @@ def _pair_tile(counts, scan, readback, state, entries, p, pair_tiles, FLAGS: tl.
 
 @triton.jit(do_not_specialize=["readback", "n", "entries", "kernels_at", "segs_at", "chunks",
                                "tiles"])
-def schedule_offsets_kernel(sorted_ranks, order, sorted_idx, counts, scan, plan_out, readback, n,
-                            entries, kernels_at, segs_at, chunks, tiles, V: tl.constexpr,
+def schedule_offsets_kernel(sorted_ranks, order, nmap, map_t, sorted_idx, counts, scan, plan_out,
+                            readback, n, entries, kernels_at, segs_at, chunks, tiles, V: tl.constexpr,
                             WORDS: tl.constexpr, WORD_BITS: tl.constexpr, B0: tl.constexpr,
                             LEVELS: tl.constexpr, FLAGS: tl.constexpr, ROWS: tl.constexpr,
                             PAIR_TILE: tl.constexpr, LOOK_BACK: tl.constexpr):
@@ -241,7 +247,7 @@ def schedule_offsets_kernel(sorted_ranks, order, sorted_idx, counts, scan, plan_
       offsets (valid_kernel) of each size into the plan's int32 buffer plan_out, the segs of
       size l at segs_at + sum over l' < l of aligned(blocks(l') + 1), its offsets from
       kernels_at + sum over l' < l of aligned(blocks(l') * V) (worst-case regions); also
-      sorted_idx = int32(order);
+      sorted_idx = int32(order) and map_t [V, n] (map_t[v, i] = nmap[order[i], v]);
     - then tiles of PAIR_TILE of the `entries` pair entries: the inclusive scan of their counts
       (the pairs kernel places the pairs by it).
     Written for the host's one sync into readback, after the FLAGS entries the caller's kernels
@@ -253,9 +259,9 @@ def schedule_offsets_kernel(sorted_ranks, order, sorted_idx, counts, scan, plan_
     tile = tl.atomic_add(pair_state + tiles - chunks, 1) + 1
     if tile < chunks:
         if LEVELS > 0:  # (without block sizes there are no chunk tiles)
-            _chunk_tile(sorted_ranks, order, sorted_idx, plan_out, readback, chunk_state, n, tile,
-                        chunks, kernels_at, segs_at, V, WORDS, WORD_BITS, B0, LEVELS, FLAGS, ROWS,
-                        LOOK_BACK)
+            _chunk_tile(sorted_ranks, order, nmap, map_t, sorted_idx, plan_out, readback,
+                        chunk_state, n, tile, chunks, kernels_at, segs_at, V, WORDS, WORD_BITS, B0,
+                        LEVELS, FLAGS, ROWS, LOOK_BACK)
     else:
         _pair_tile(counts, scan, readback, pair_state, entries, tile - chunks, tiles - chunks,
                    FLAGS, LEVELS, PAIR_TILE, LOOK_BACK)

@@ -4,6 +4,7 @@ for every dtype and both BatchNorm dtypes; which blocks fuse and which run modul
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -59,6 +60,7 @@ def fused_launches(monkeypatch):
 
     def spy(kernel, grid, *args, **constexprs):
         if constexprs.get("BN_RELU"):
+            assert type(args[15]) is float  # eps: fp32 whatever the BatchNorm holds
             seen.append(constexprs)
         return real(kernel, grid, *args, **constexprs)
 
@@ -135,14 +137,25 @@ def test_op_epilogue_and_its_gradients(device, fused_launches):
     with torch.no_grad():
         got = sparse_conv(feats, plan, weight, bn_relu=norm)
         assert not fused_launches  # float64: torch's epilogue
-        got32 = sparse_conv(feats.float(), plan, weight.float(), bn_relu=norm)  # float64 norms
-        assert not fused_launches  # (a dtype the kernel does not read: torch's epilogue)
         norm32 = BatchNormReLU(*(t.float() for t in norm[:4]), norm.eps)
         got32k = sparse_conv(feats.float(), plan, weight.float(), bn_relu=norm32)
     assert len(fused_launches) == 1
     torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got32.double(), want.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got32k.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    # float64 norms over float32 features: what torch's batch norm does with them (an error,
+    # or its answer), not the kernel's
+    with torch.no_grad():
+        plain = sparse_conv(feats.float(), plan, weight.float())
+        try:
+            expected = torch.relu(torch.nn.functional.batch_norm(
+                plain, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps))
+        except RuntimeError as exc:
+            with pytest.raises(RuntimeError, match=re.escape(str(exc)[:20])):
+                sparse_conv(feats.float(), plan, weight.float(), bn_relu=norm)
+        else:
+            torch.testing.assert_close(
+                sparse_conv(feats.float(), plan, weight.float(), bn_relu=norm), expected)
+    assert len(fused_launches) == 1
 
     f, w = feats.clone().requires_grad_(), weight.clone().requires_grad_()
     out = sparse_conv(f, plan, w, bn_relu=norm)
@@ -180,11 +193,15 @@ def test_blocks_that_do_not_fuse(device, fused_launches):
 
     training = block()
     training[1].train()
+    no_bias = block()
+    no_bias[1].bias = None  # (BatchNorm1d(bias=False) in newer torch)
+    relu_of_its_own = block()
+    relu_of_its_own[2].forward = lambda t: torch.nn.functional.leaky_relu(t, 0.5)
     hooked_conv, hooked_bn, hooked_relu = block(), block(), block()
     hooked_conv[0].register_forward_hook(lambda *a: None)
     hooked_bn[1].register_forward_hook(lambda *a: None)
     hooked_relu[2].register_forward_pre_hook(lambda *a: None)
-    nets = [training, hooked_conv, hooked_bn, hooked_relu,
+    nets = [training, no_bias, relu_of_its_own, hooked_conv, hooked_bn, hooked_relu,
             block(spconv.SubMConv3d(5, 4, 3, bias=True)),  # a bias (no variant: not fused)
             block(bn=torch.nn.BatchNorm1d(4, affine=False)),
             block(bn=torch.nn.BatchNorm1d(4, track_running_stats=False)),
@@ -225,3 +242,35 @@ def test_the_shipped_bundles_hold_the_fused_variants():
     norms = {(v.args[0][1], v.args[11][1]) for v in found}  # (src dtype, bn_mean dtype)
     assert ("float16", "float16") in norms and ("float16", "float32") in norms
     assert all(v.args[15] == ("float", 0.0) and not dict(v.constexprs)["HAS_BIAS"] for v in found)
+
+
+def test_nan_and_odd_numbers_as_the_modules_give_them(device, fused_launches):
+    """NaN features stay NaN through the fused ReLU (as torch.relu keeps them); an int eps
+    reaches the kernel as a float; a BatchNorm of another dtype than the features raises
+    (or not) as the modules do."""
+    gen = torch.Generator().manual_seed(4)
+    net = blocks(gen).float().to(device).eval()
+    net[1].eps = 0  # (an int)
+    x64 = inputs(gen, device)
+    feats = x64().features.float()
+    feats[::7] = float("nan")
+    x = lambda: spconv.SparseConvTensor(feats, x64().indices, SHAPE, 2)  # noqa: E731
+    want = run_unfused(net, x)
+    with torch.no_grad():
+        got = net(x())
+    assert len(fused_launches) == 3
+    assert torch.equal(got.features.isnan(), want.features.isnan()) and got.features.isnan().any()
+    ok = ~want.features.isnan()
+    torch.testing.assert_close(got.features[ok], want.features[ok], rtol=1e-5, atol=1e-5)
+    odd = blocks(gen).to(device).eval()  # float32 features, a float64 BatchNorm
+    odd[1].double()
+    x32 = lambda: spconv.SparseConvTensor(x64().features.float(), x64().indices, SHAPE, 2)  # noqa: E731
+    try:
+        want = run_unfused(odd, x32)
+    except RuntimeError as exc:
+        with pytest.raises(RuntimeError, match=re.escape(str(exc)[:20])), torch.no_grad():
+            odd(x32())
+    else:
+        with torch.no_grad():
+            got = odd(x32())
+        torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)

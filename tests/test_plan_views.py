@@ -168,3 +168,20 @@ def test_block_runs_region_and_views():
     assert torch.equal(runs[32], buffer[4:7])
     assert torch.equal(runs.region(32), buffer[4:7])
     assert dict(runs).keys() == {16, 32} and len(runs) == 2
+
+
+@pytest.mark.parametrize("m", [1, 511, 513, 1300])
+def test_a_scheduled_map_comes_with_its_sorted_map_t(m, kernel_device, monkeypatch):
+    """The schedule kernel writes the map in sorted order along with the schedule
+    (segments_triton: with_sorted_map_t): the view the conv would derive, with no launch of
+    its own at the first convolution."""
+    from flexplan.planner.segments_triton import plan_schedule_triton
+    from flexplan.kernel_configs import PLAN_BLOCK_SIZES
+
+    nmap, _ = _case(m, 27, seed=m, device=kernel_device)
+    gmap = plan_schedule_triton(nmap, PLAN_BLOCK_SIZES, 0, pairs_total=0)[0]
+    view = gmap.derived_views["sorted_map_t"]
+    assert torch.equal(view.cpu(), sorted_map_t_torch(nmap.cpu(), gmap.sorted_idx.cpu()))
+    monkeypatch.setattr(plan_views, "sorted_map_t_triton", None)  # (never called now)
+    monkeypatch.setattr(plan_views, "sorted_map_t_torch", None)
+    assert sorted_map_t(gmap) is view

@@ -11,9 +11,9 @@ is a snapshot and stays opt-in).
 A block is fused only where that gives what the three modules give (but for rounding: the
 fused block rounds once): nothing is differentiated (no grad mode), the conv is one of
 flexplan's layers running its own forward with no bias and no activation of its own, the
-BatchNorm is an exact BatchNorm type in eval mode with running statistics and affine
-parameters for the conv's output channels, the ReLU a plain ReLU, and none of the three has
-hooks (a hook on the conv would see the fused output). Switch: FUSE_BN_RELU.
+BatchNorm is an exact BatchNorm type in eval mode with running statistics, a weight and a bias
+for the conv's output channels, the ReLU a plain ReLU, and none of the three has hooks (a hook
+on the conv would see the fused output) or a forward of its own. Switch: FUSE_BN_RELU.
 """
 from __future__ import annotations
 
@@ -52,12 +52,14 @@ def bn_relu_epilogue(conv, bn, relu) -> BatchNormReLU | None:
     if (type(relu) not in RELUS or type(bn) not in BATCH_NORMS
             or type(conv).forward not in CONV_FORWARDS):
         return None
-    if (bn.training or not bn.affine or bn.running_mean is None or bn.running_var is None
-            or conv.bias is not None or getattr(conv, "act_type", None) is not None
+    if (bn.training or bn.weight is None or bn.bias is None or bn.running_mean is None
+            or bn.running_var is None or conv.bias is not None
+            or getattr(conv, "act_type", None) is not None
             or bn.num_features != conv.out_channels or "forward" in conv.__dict__
-            or "forward" in bn.__dict__ or hooked(conv) or hooked(bn) or hooked(relu)):
+            or "forward" in bn.__dict__ or "forward" in relu.__dict__
+            or hooked(conv) or hooked(bn) or hooked(relu)):
         return None
-    return BatchNormReLU(bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
+    return BatchNormReLU(bn.running_mean, bn.running_var, bn.weight, bn.bias, float(bn.eps))
 
 
 _module = torch.nn.modules.module

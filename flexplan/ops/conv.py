@@ -59,11 +59,10 @@ class BatchNormReLU(NamedTuple):
 
 
 def bn_relu_torch(out: torch.Tensor, bn: BatchNormReLU) -> torch.Tensor:
-    """The epilogue in torch ops, on a computed output (paths without the fused kernel)."""
-    acc = torch_fallback.accumulator_dtype(out.dtype)
-    scale = bn.weight.to(acc) * torch.rsqrt(bn.var.to(acc) + bn.eps)
-    shifted = (out.to(acc) - bn.mean.to(acc)) * scale + bn.bias.to(acc)
-    return shifted.clamp_min_(0).to(out.dtype)
+    """The epilogue as the modules compute it (torch's eval batch norm, then relu: its dtype
+    rules, errors, NaNs and gradients), on a computed output (paths without the fused kernel)."""
+    return torch.relu(torch.nn.functional.batch_norm(out, bn.mean, bn.var, bn.weight, bn.bias,
+                                                     False, 0.0, bn.eps))
 
 
 def _dtype_name(dtype: torch.dtype, allow_tf32: bool, device: torch.device | None = None) -> str:
@@ -572,7 +571,9 @@ def sparse_conv(feats: torch.Tensor, plan: ConvPlan, weight: torch.Tensor,
     return _eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32, bn_relu)
 
 
-def _check_bn(bn: BatchNormReLU, channels: int, device: torch.device) -> None:
+def _check_bn(bn: BatchNormReLU, channels: int, device: torch.device) -> BatchNormReLU:
+    """bn checked, its eps a Python float (the kernel's fp32 argument, whatever number type
+    the BatchNorm holds: an int would be another specialization)."""
     if not isinstance(bn, BatchNormReLU):
         raise TypeError(f"bn_relu must be a BatchNormReLU, got {type(bn).__name__}")
     for name in ("mean", "var", "weight", "bias"):
@@ -580,15 +581,16 @@ def _check_bn(bn: BatchNormReLU, channels: int, device: torch.device) -> None:
         if not isinstance(t, torch.Tensor) or t.shape != (channels,) or t.device != device:
             raise ValueError(f"bn_relu.{name} must be a [{channels}] tensor on {device}, got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    return bn if type(bn.eps) is float else bn._replace(eps=float(bn.eps))
 
 
-def _bn_in_kernel(bn: BatchNormReLU, dtype: torch.dtype) -> bool:
-    """Whether the kernel reads bn as it is: one dtype for its tensors, the features' or
-    float32 (the variants AOT bundles hold), each contiguous; not for float64 features (the
+def _bn_in_kernel(bn: BatchNormReLU, dtype: torch.dtype, bias) -> bool:
+    """Whether the kernel applies bn (the variants AOT bundles hold): no conv bias, one dtype
+    for bn's tensors, the features' or float32, each contiguous; not for float64 features (the
     kernel gets eps as a float32: float64 would lose its precision there)."""
     t = bn.mean
-    return (dtype != torch.float64 and t.dtype in (dtype, torch.float32) and all(
-        x.dtype == t.dtype and x.is_contiguous() for x in bn[:4]))
+    return (bias is None and dtype != torch.float64 and t.dtype in (dtype, torch.float32)
+            and all(x.dtype == t.dtype and x.is_contiguous() for x in bn[:4]))
 
 
 @opaque
@@ -600,11 +602,11 @@ def _eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32, bn=None):
         feats = feats.to(cast)
     _check(feats, plan, weight, bias, algo, cast)
     if bn is not None:
-        _check_bn(bn, weight.shape[0], feats.device)
-        if (torch.is_grad_enabled() and (bn.weight.requires_grad or bn.bias.requires_grad)) or (
-                not _bn_in_kernel(bn, feats.dtype)):
-            # Differentiable through the BatchNorm's parameters, or tensors the kernel does
-            # not read: the epilogue in torch ops.
+        bn = _check_bn(bn, weight.shape[0], feats.device)
+        if (torch.is_grad_enabled() and any(t.requires_grad for t in bn[:4])) or (
+                not _bn_in_kernel(bn, feats.dtype, bias)):
+            # Differentiable through the BatchNorm's tensors, or tensors the kernel does not
+            # read: the epilogue in torch ops.
             return bn_relu_torch(_eager_sparse_conv(feats, plan, weight, bias, algo,
                                                     allow_tf32), bn)
     co, ci = weight.shape[0], weight.shape[-1]  # (a 4D plan's weight has 6 axes)

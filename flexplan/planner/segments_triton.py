@@ -20,7 +20,7 @@ import torch
 from ..kernels_src import plan_segments as kernels
 from ..launch_spec import INT32, INT64, SCAN, SIZE, WORDS
 from ..launcher import cdiv, launch
-from ..plan import BlockRuns, GatherMap, PendingCount
+from ..plan import BlockRuns, GatherMap, PendingCount, with_sorted_map_t
 from .rank_sort import TorchSort, rank_sorter
 from .segments_torch import gather_map_torch, rank_words, valid_signal_torch
 
@@ -151,13 +151,15 @@ def launch_gray_rank(run, nmap: INT32, ranks: WORDS, counts: INT32, n: SIZE,
         padded, V=v, WORDS=words, WORD_BITS=word_bits, **GRAY_RANK_LAUNCH)
 
 
-def launch_schedule(run, sorted_ranks: WORDS, order: INT64, sorted_idx: INT32, counts: INT32,
-                    scan: SCAN, plan_out: INT32, readback: INT64, n: SIZE,
-                    layout: ScheduleLayout, v: int, words: int, word_bits: int,
-                    num_flags: int) -> None:
-    """The schedule of n sorted rows of a [n, v] map, laid out as `layout` says."""
-    run(kernels.schedule_offsets_kernel, (layout.tiles,), sorted_ranks, order, sorted_idx, counts,
-        scan, plan_out, readback, n, layout.entries, layout.kernels_at, layout.segs_at,
+def launch_schedule(run, sorted_ranks: WORDS, order: INT64, nmap: INT32, map_t: INT32,
+                    sorted_idx: INT32, counts: INT32, scan: SCAN, plan_out: INT32,
+                    readback: INT64, n: SIZE, layout: ScheduleLayout, v: int, words: int,
+                    word_bits: int, num_flags: int) -> None:
+    """The schedule of n sorted rows of the [n, v] map nmap, laid out as `layout` says, and the
+    map in sorted order, map_t [v, n] (with block sizes: plan_views.sorted_map_t's view)."""
+    run(kernels.schedule_offsets_kernel, (layout.tiles,), sorted_ranks, order, nmap, map_t,
+        sorted_idx, counts, scan, plan_out, readback, n, layout.entries, layout.kernels_at,
+        layout.segs_at,
         layout.chunks, layout.tiles, V=v, WORDS=words, WORD_BITS=word_bits, B0=layout.smallest,
         LEVELS=layout.levels, FLAGS=num_flags, **SCHEDULE_LAUNCH)
 
@@ -207,8 +209,11 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         if levels:
             sorted_ranks, order = sorter.sort()
             sorted_idx = plan_out[:m]
+            # The map in sorted order, as the gather kernels read it, written by the schedule
+            # on the way (else one more launch at the map's first convolution).
+            map_t = torch.empty((v, m), dtype=torch.int32, device=device)
         else:  # not read: no block sizes, no blocks
-            sorted_ranks = order = sorted_idx = counts
+            sorted_ranks = order = sorted_idx = map_t = counts
         # int32 where no sum can pass it (then in place of the counts): each row has at most
         # signal_offsets pairs.
         scan = (counts if scan_dtype(m * signal_offsets) == torch.int32
@@ -216,8 +221,8 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         if readback is None:
             readback = torch.full((num_flags + layout.readback_slots,), -1, dtype=torch.int64,
                                   device=device)
-        launch_schedule(launch, sorted_ranks, order, sorted_idx, counts, scan, plan_out, readback,
-                        m, layout, v, words, word_bits, num_flags)
+        launch_schedule(launch, sorted_ranks, order, nmap, map_t, sorted_idx, counts, scan,
+                        plan_out, readback, m, layout, v, words, word_bits, num_flags)
     # Scratch is dropped once the last launch that reads it is queued (the allocator reuses it
     # in stream order): before the host sync, its frees overlap the GPU's work.
     del ranks, sorted_ranks, order, counts
@@ -255,6 +260,6 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
             runs = {block: (start, end - start, seg_at + seg_count - 1)
                     for (block, (seg_at, seg_count)), start, end
                     in zip(layout.seg_runs.items(), layout.kernel_starts, ends)}
-        gmap = GatherMap(nmap, sorted_idx, BlockRuns(plan_out, runs),
-                         BlockRuns(plan_out, layout.seg_runs))
+        gmap = with_sorted_map_t(GatherMap(nmap, sorted_idx, BlockRuns(plan_out, runs),
+                                           BlockRuns(plan_out, layout.seg_runs)), map_t)
     return gmap, pairs, flag_values

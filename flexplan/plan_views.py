@@ -105,8 +105,23 @@ def full_schedule(gmap: GatherMap) -> GatherMap:
     # (runs of the constants, each viewed when a kernel asks for its block size)
     offsets = BlockRuns(every, {block: (0, count * v) for block, count in blocks.items()})
     segs = BlockRuns(starts, {block: (0, count + 1) for block, count in blocks.items()})
-    return _keep(gmap, "full_schedule", GatherMap(gmap.neighbor_map, gmap.sorted_idx, offsets,
-                                                  segs))
+    full = GatherMap(gmap.neighbor_map, gmap.sorted_idx, offsets, segs)
+    # Same rows in the same (their own) order: the map's views serve it as they are, and its
+    # chunks run in order (no launch for either).
+    made = gmap.derived_views.get("sorted_map_t")
+    if made is not None:
+        full.derived_views["sorted_map_t"] = made
+    full.derived_views["chunk_order"] = _chunks_in_order(m, gmap.neighbor_map.device)
+    return _keep(gmap, "full_schedule", full)
+
+
+def _chunks_in_order(m: int, device: torch.device) -> torch.Tensor:
+    """int32 [ceil(m / SCHEDULE_CHUNK)]: 0, 1, 2, ..., what chunk_order makes of rows in their
+    own order at any size (a view of a per-device arange of a power-of-two length)."""
+    chunks = -(-m // SCHEDULE_CHUNK)
+    room = 1 << max(chunks - 1, 0).bit_length()
+    return device_constant(("chunks_in_order", room), device, lambda: torch.arange(
+        room, dtype=torch.int32, device=device))[:chunks]
 
 
 def _every_offset(v: int, blocks: int, device: torch.device):

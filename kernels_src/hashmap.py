@@ -60,9 +60,9 @@ def _voxel_key(b, x, y, z, size_x, size_y, size_z, KEY_64: tl.constexpr):
 # pass each batch's own) and the coords (the caller's tensor, maybe a view).
 @triton.jit(do_not_specialize=["coords", "n", "slot_mask", "batch_size", "size_x", "size_y",
                                "size_z"])
-def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, nmap, batch_size, size_x,
-                       size_y, size_z, V: tl.constexpr, KEY_64: tl.constexpr,
-                       LANES: tl.constexpr, BLOCK: tl.constexpr):
+def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, nmap, nmap_t, batch_size,
+                       size_x, size_y, size_z, V: tl.constexpr, KEY_64: tl.constexpr,
+                       LANES: tl.constexpr, MAP_T: tl.constexpr, BLOCK: tl.constexpr):
     """Insert key(coords[i]) -> i for the rows inside the grid, and note what is wrong with the
     input in the problem slots right after the table's slot_mask + 1 slots: problems[0] gets
     the smallest row outside [0, batch_size) x grid, problems[1] the smallest row whose key was
@@ -72,7 +72,9 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, nmap, batch
     table_keys, values in table_vals; int32 keys: packed in table_keys.
 
     Also starts the neighbour map nmap [n, V] of these rows (the lookups write only hits):
-    MISSING everywhere but the centre column, which is the row itself. LANES: also the
+    MISSING everywhere but the centre column, which is the row itself; MAP_T: also its
+    transpose nmap_t [V, n] (the map's layout for the gather kernels, rows in their own order:
+    plan_views.sorted_map_t of an unscheduled map). LANES: also the
     coordinates' identity (flexplan/coords_hash.py: two lanes over the rows as int64 words,
     kernels_src/plan_hash.py) into the two slots after the problems, summed by atomic adds
     (integer sums do not depend on order); they start at -1 like the table, program 0 adds 1.
@@ -109,6 +111,10 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, nmap, batch
         local = c * BLOCK + tl.arange(0, BLOCK)
         owner = tl.program_id(0) * BLOCK + local // V
         tl.store(run + local, tl.where(local % V == V // 2, owner, MISSING), mask=owner < n)
+    if MAP_T:
+        for c in range(V):
+            tl.store(nmap_t + c * n.to(tl.int64) + rows, tl.where(c == V // 2, rows, MISSING),
+                     mask=live)
     active = live & inside
     key = _voxel_key(b, x, y, z, size_x, size_y, size_z, KEY_64)
     slot = _hash_slot(key, slot_mask, KEY_64)
@@ -154,12 +160,13 @@ def _lookup(table_keys, table_vals, key, active, slot_mask, KEY_64: tl.constexpr
 @triton.jit(do_not_specialize=["coords", "n", "slot_mask", "batch_size", "size_x", "size_y",
                                "size_z"])
 def submanifold_neighbor_map_kernel(
-        table_keys, table_vals, coords, nmap, n, slot_mask,
+        table_keys, table_vals, coords, nmap, nmap_t, n, slot_mask,
         batch_size, size_x, size_y, size_z,
         KX: tl.constexpr, KY: tl.constexpr, KZ: tl.constexpr,
         DX: tl.constexpr, DY: tl.constexpr, DZ: tl.constexpr,
-        KEY_64: tl.constexpr, BLOCK: tl.constexpr):
-    """Fill nmap [n, V] (started by hash_insert_kernel) from the table of coords' keys.
+        KEY_64: tl.constexpr, MAP_T: tl.constexpr, BLOCK: tl.constexpr):
+    """Fill nmap [n, V] (started by hash_insert_kernel) from the table of coords' keys; MAP_T:
+    also its transpose nmap_t [V, n] (started likewise).
 
     One lane per (row i, offset v < V // 2). Offsets v and V - 1 - v are opposite, so a hit
     j also gives nmap[j, V - 1 - v] = i: half the lookups, but nmap[i, V - 1 - v] has no writer
@@ -185,3 +192,6 @@ def submanifold_neighbor_map_kernel(
     hit = j != MISSING
     tl.store(nmap + row * V + v, j, mask=hit)
     tl.store(nmap + j.to(tl.int64) * V + (V - 1 - v), row.to(tl.int32), mask=hit)
+    if MAP_T:
+        tl.store(nmap_t + v.to(tl.int64) * n + row, j, mask=hit)
+        tl.store(nmap_t + (V - 1 - v).to(tl.int64) * n + j, row.to(tl.int32), mask=hit)

@@ -140,15 +140,18 @@ def generative_scatter_kernel(sorted_keys, order, rank, taps, bwd, fwd, out_coor
         tl.store(out_coords + out * 4 + 3, oz.to(tl.int32), mask=start)
 
 
-@triton.jit(do_not_specialize=["entries"])
-def transpose_map_kernel(fwd, bwd, entries, V: tl.constexpr, MISSING: tl.constexpr,
-                         BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["entries", "num_in"])
+def transpose_map_kernel(fwd, bwd, bwd_t, entries, num_in, V: tl.constexpr,
+                         MISSING: tl.constexpr, MAP_T: tl.constexpr, BLOCK: tl.constexpr):
     """The bwd map of a fwd map: for each entry fwd[o, v] = i (not MISSING), bwd[i, v] = o
-    (entries = rows of fwd * V; bwd starts filled with MISSING). An inference plan's fwd map
-    holds each (i, v) at most once, so no two entries write one place."""
+    (entries = rows of fwd * V; bwd starts filled with MISSING); MAP_T: also bwd_t [V, num_in]
+    (the same, transposed: the gather kernels' layout; started likewise). An inference plan's
+    fwd map holds each (i, v) at most once, so no two entries write one place."""
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = j < entries
     i = tl.load(fwd + j, mask=live, other=MISSING)
     real = live & (i != MISSING)
     tap = j % V
     tl.store(bwd + i.to(tl.int64) * V + tap, (j // V).to(tl.int32), mask=real)
+    if MAP_T:
+        tl.store(bwd_t + tap * num_in + i, (j // V).to(tl.int32), mask=real)

@@ -185,3 +185,47 @@ def test_a_scheduled_map_comes_with_its_sorted_map_t(m, kernel_device, monkeypat
     monkeypatch.setattr(plan_views, "sorted_map_t_triton", None)  # (never called now)
     monkeypatch.setattr(plan_views, "sorted_map_t_torch", None)
     assert sorted_map_t(gmap) is view
+
+
+def test_unscheduled_maps_come_with_their_layout(kernel_device, monkeypatch):
+    """A first sighting's submanifold map (built unscheduled) and an inverse conv's map (the
+    transposer's) come with their transpose, the view their convolutions read (rows in their
+    own order), and their full schedule keeps it, with its chunks in order, at any size."""
+    from flexplan import ConvGeometry, build_plan
+    from flexplan.planner.generative import transposed_map_torch
+    from flexplan.planner.generative_triton import transposed_map_and_t_triton
+    from flexplan.workloads import random_coords
+
+    gen = torch.Generator().manual_seed(3)
+    coords = random_coords(400, (9, 8, 7), 2, generator=gen).to(kernel_device)
+    plan = build_plan(coords, (9, 8, 7), 2, ConvGeometry.submanifold_conv(3), backend="triton",
+                      training=False, scheduled=False)
+    assert plan.schedule_deferred
+    gmap = plan.fwd
+    rows = torch.arange(gmap.num_rows, dtype=torch.int32)
+    assert torch.equal(gmap.derived_views["sorted_map_t"].cpu(),
+                       sorted_map_t_torch(gmap.neighbor_map.cpu(), rows))
+    full = plan_views.full_schedule(gmap)
+    assert full.derived_views["sorted_map_t"] is gmap.derived_views["sorted_map_t"]
+    assert full.derived_views["chunk_order"].tolist() == chunk_order_torch(rows).tolist()
+
+    fwd, _ = _case(700, 27, seed=4, device=kernel_device)
+    fwd = torch.where(torch.rand(fwd.shape, generator=gen).to(fwd.device) < 0.5, -1, fwd)
+    fwd = fwd.clone()
+    # (an inference plan's fwd map holds each (input, tap) at most once)
+    first = torch.zeros_like(fwd, dtype=torch.bool)
+    for v in range(27):
+        col = fwd[:, v].cpu()
+        seen, keep = set(), []
+        for x in col.tolist():
+            keep.append(x >= 0 and x not in seen)
+            seen.add(x)
+        first[:, v] = torch.tensor(keep)
+    fwd = torch.where(first, fwd, -1)
+    bwd, bwd_t = transposed_map_and_t_triton(fwd, 700)
+    want = transposed_map_torch(fwd.cpu(), 700)
+    assert torch.equal(bwd.cpu(), want) and torch.equal(bwd_t.cpu(), want.t())
+
+    big = 3000 * SCHEDULE_CHUNK + 5  # (past the Gray order's own chunk constants)
+    assert plan_views._chunks_in_order(big, torch.device("cpu")).tolist() == list(
+        range(-(-big // SCHEDULE_CHUNK)))

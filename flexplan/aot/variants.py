@@ -271,11 +271,14 @@ def planner_variants() -> Iterator[Variant]:
 
     for key_64 in (False, True):
         for volume in sorted({1} | {g.volume for g in _submanifold()}):  # 1: coords_problems
-            yield record(launch_hash_insert, volume=volume, key_64=key_64, lanes=False)
+            for map_t in (False, True):  # (True: a first sighting's unscheduled map)
+                yield record(launch_hash_insert, volume=volume, key_64=key_64, lanes=False,
+                             map_t=map_t)
         # the input check, hashing the coordinates' identity in the same pass
-        yield record(launch_hash_insert, volume=1, key_64=key_64, lanes=True)
+        yield record(launch_hash_insert, volume=1, key_64=key_64, lanes=True, map_t=False)
         for geometry in _submanifold():
-            yield record(launch_neighbor_map, geometry=geometry, key_64=key_64)
+            for map_t in (False, True):
+                yield record(launch_neighbor_map, geometry=geometry, key_64=key_64, map_t=map_t)
 
 
 def segment_variants() -> Iterator[Variant]:
@@ -319,7 +322,8 @@ def generative_variants() -> Iterator[Variant]:
             yield record(gen.launch_scatter, keys, slots=slots, v=geometry.volume, sent=sent,
                          write_fwd=write_fwd)
     for volume in sorted(STRIDED_VOLUMES):  # an inverse conv's bwd map
-        yield record(gen.launch_transpose_map, v=volume)
+        for map_t in (False, True):  # (True: an inference plan's inverse map)
+            yield record(gen.launch_transpose_map, v=volume, map_t=map_t)
 
 
 def view_variants() -> Iterator[Variant]:

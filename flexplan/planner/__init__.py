@@ -10,7 +10,8 @@ from ..device_guard import on_device_of
 from ..geometry import ConvGeometry, triple
 from ..graph_capture import capturing
 from ..kernel_configs import PLAN_BLOCK_SIZES
-from ..plan import ConvPlan, maps_only_request, mirrored_signal_offsets, signal_fields
+from ..plan import (ConvPlan, maps_only_request, mirrored_signal_offsets, signal_fields,
+                    with_sorted_map_t)
 from ..coords_check import check_coords, check_coords_layout, raise_coords_problems
 from .generative import generative_plan, output_spatial_shape
 from .generative_triton import generative_plan_triton
@@ -80,16 +81,20 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
         if check:
             check_coords(coords, shape, batch_size)
         nmap = submanifold_neighbor_map_torch(coords, shape, batch_size, geometry)
-        problems = layout = None
+        problems = layout = map_t = None
     else:
         # The schedule's sizes and state ride behind the problems, filled with the hash table
         # and read back with the problems in one sync (an unscheduled build has none).
         layout = None if unscheduled else schedule_layout(coords.shape[0], geometry.volume,
                                                           PLAN_BLOCK_SIZES, signal_offsets)
+        # An unscheduled map's rows stay in their own order: the hash kernels write the gather
+        # kernels' layout of it too (its sorted_map_t, one launch fewer at its first conv).
+        map_t = torch.empty((geometry.volume, coords.shape[0]), dtype=torch.int32,
+                            device=coords.device) if unscheduled else None
         # (checked before: the flags are not read, the problems start at the schedule's slots)
         nmap, problems = submanifold_neighbor_map_triton(
             coords, shape, batch_size, geometry, flags=check,
-            spare_slots=0 if unscheduled else layout.readback_slots)
+            spare_slots=0 if unscheduled else layout.readback_slots, map_t=map_t)
     num_flags = 0 if problems is None or not check else PROBLEM_SLOTS
     # Nothing to read back without flags and pairs: an unchecked inference build makes no host
     # sync at all (its valid_kernel lengths stay on the device, plan.BlockRuns). An unchecked
@@ -99,6 +104,8 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
              and deferred_pairs_bound(coords.shape[0], signal_offsets) <= DEFERRED_PAIRS_MAX)
     if unscheduled:  # the flags, if any, read alone (one sync)
         fwd, signal = unscheduled_map(nmap), None
+        if map_t is not None:
+            fwd = with_sorted_map_t(fwd, map_t)
         flag_values = problems[:num_flags].tolist() if num_flags else None
     else:
         fwd, signal, flag_values = plan_schedule(

@@ -18,10 +18,10 @@ from ..compile_boundary import opaque
 from ..device_guard import on_device_of
 from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
-from ..plan import MISSING, ConvPlan, signal_fields
+from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
 from .keys import pack_coords, unpack_keys
 from .offsets import kernel_offsets
-from .generative_triton import transposed_map_triton
+from .generative_triton import transposed_map_and_t_triton
 from .segments import gather_map, plan_schedule, unscheduled_map
 
 
@@ -140,13 +140,15 @@ def bwd_from_fwd(plan: ConvPlan) -> ConvPlan:
     fwd = plan.fwd.neighbor_map
     with on_device_of(fwd):  # (its launches: on the plan's GPU)
         if fwd.is_cuda:
-            bwd = transposed_map_triton(fwd, plan.num_in)
+            bwd, bwd_t = transposed_map_and_t_triton(fwd, plan.num_in)
         else:
-            bwd = transposed_map_torch(fwd, plan.num_in)
+            bwd, bwd_t = transposed_map_torch(fwd, plan.num_in), None
         if SCHEDULE_INVERSE_MAPS and not plan.maps_only:  # (a maps-only plan stays one)
             bwd_map, _, _ = plan_schedule(bwd, PLAN_BLOCK_SIZES, signal_offsets=0, pairs_total=0)
         else:
             bwd_map = unscheduled_map(bwd)
+            if bwd_t is not None:  # (its rows in their own order: the transpose is its view)
+                bwd_map = with_sorted_map_t(bwd_map, bwd_t)
     return replace(plan, bwd=bwd_map)
 
 

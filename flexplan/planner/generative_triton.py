@@ -109,10 +109,11 @@ def launch_scatter(run, sorted_keys: KEYS, order: INT64, rank: INT32, taps: INT3
         V=v, SENT=sent, WRITE_BWD=not write_fwd, WRITE_FWD=write_fwd, **ENTRIES_LAUNCH)
 
 
-def launch_transpose_map(run, fwd: INT32, bwd: INT32, entries: SIZE, v: int) -> None:
-    """bwd of fwd's `entries` (rows x v) entries."""
+def launch_transpose_map(run, fwd: INT32, bwd: INT32, bwd_t: INT32, entries: SIZE,
+                         num_in: SIZE, v: int, map_t: bool) -> None:
+    """bwd of fwd's `entries` (rows x v) entries; with map_t also bwd_t [v, num_in]."""
     run(kernels.transpose_map_kernel, (-(-entries // TRANSPOSE_LAUNCH["BLOCK"]),), fwd, bwd,
-        entries, V=v, **TRANSPOSE_LAUNCH)
+        bwd_t, entries, num_in, V=v, MAP_T=map_t, **TRANSPOSE_LAUNCH)
 
 
 def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
@@ -176,5 +177,18 @@ def transposed_map_triton(fwd: torch.Tensor, num_in: int) -> torch.Tensor:
     m, v = fwd.shape
     bwd = torch.full((num_in, v), MISSING, dtype=torch.int32, device=fwd.device)
     if m:
-        launch_transpose_map(launch, fwd.contiguous(), bwd, m * v, v)
+        launch_transpose_map(launch, fwd.contiguous(), bwd, bwd, m * v, num_in, v, False)
     return bwd
+
+
+def transposed_map_and_t_triton(fwd: torch.Tensor, num_in: int
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bwd [num_in, V], bwd's transpose [V, num_in]) of a fwd map [M, V]: one fill of one
+    buffer for both, one launch. The transpose is the gather kernels' layout of bwd with its
+    rows in their own order (an inverse conv's map: sorted_map_t of its unscheduled map)."""
+    m, v = fwd.shape
+    both = torch.full((2, num_in * v), MISSING, dtype=torch.int32, device=fwd.device)
+    bwd, bwd_t = both[0].view(num_in, v), both[1].view(v, num_in)
+    if m:
+        launch_transpose_map(launch, fwd.contiguous(), bwd, bwd_t, m * v, num_in, v, True)
+    return bwd, bwd_t

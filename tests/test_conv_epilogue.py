@@ -250,7 +250,7 @@ def test_nan_and_odd_numbers_as_the_modules_give_them(device, fused_launches):
     (or not) as the modules do."""
     gen = torch.Generator().manual_seed(4)
     net = blocks(gen).float().to(device).eval()
-    net[1].eps = 0  # (an int)
+    net[1].eps = 1  # (an int)
     x64 = inputs(gen, device)
     feats = x64().features.float()
     feats[::7] = float("nan")
@@ -274,3 +274,23 @@ def test_nan_and_odd_numbers_as_the_modules_give_them(device, fused_launches):
         with torch.no_grad():
             got = odd(x32())
         torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
+
+
+def test_a_batchnorm_of_eps_zero_runs_as_torch_judges_it(device, fused_launches):
+    """eps 0: some torch versions refuse it, others compute: the block runs module by module,
+    so whatever torch does is what the user gets."""
+    gen = torch.Generator().manual_seed(6)
+    net = blocks(gen).float().to(device).eval()
+    net[1].eps = 0.0
+    x64 = inputs(gen, device)
+    x = lambda: spconv.SparseConvTensor(x64().features.float(), x64().indices, SHAPE, 2)  # noqa: E731
+    try:
+        want = run_unfused(net, x)
+    except ValueError as exc:
+        with pytest.raises(ValueError, match=re.escape(str(exc)[:20])), torch.no_grad():
+            net(x())
+    else:
+        with torch.no_grad():
+            got = net(x())
+        torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
+    assert len(fused_launches) <= 2  # (the first block did not fuse)

@@ -99,10 +99,15 @@ def test_views_first_made_under_capture_are_not_kept(rows):
     want = sparse_conv(feats, twin, weight, algo="masked")  # compiles, warms the configs
     torch.cuda.synchronize()
     graph_capture._PER_DEVICE.clear()  # the per-device constants too: first made in the capture
+    built = dict(plan.fwd.derived_views)  # the build's own (its schedule wrote sorted_map_t)
+    assert set(built) <= {"sorted_map_t"}
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = sparse_conv(feats, plan, weight, algo="masked")
-    assert not plan.fwd.derived_views and not graph_capture._PER_DEVICE  # nothing kept
+    # nothing made in the capture kept
+    assert set(plan.fwd.derived_views) == set(built) and all(
+        plan.fwd.derived_views[k] is v for k, v in built.items())
+    assert not graph_capture._PER_DEVICE
     assert torch.equal(sparse_conv(feats, plan, weight, algo="masked"), want)
     graph.replay()
     assert torch.equal(captured, want)

@@ -53,6 +53,7 @@ def bn_relu_epilogue(conv, bn, relu) -> BatchNormReLU | None:
             or type(conv).forward not in CONV_FORWARDS):
         return None
     if (bn.training or bn.weight is None or bn.bias is None or bn.running_mean is None
+            or not bn.eps > 0  # (torch judges: some versions refuse 0)
             or bn.running_var is None or conv.bias is not None
             or getattr(conv, "act_type", None) is not None
             or bn.num_features != conv.out_channels or "forward" in conv.__dict__

@@ -590,6 +590,7 @@ def _bn_in_kernel(bn: BatchNormReLU, dtype: torch.dtype, bias) -> bool:
     kernel gets eps as a float32: float64 would lose its precision there)."""
     t = bn.mean
     return (bias is None and dtype != torch.float64 and t.dtype in (dtype, torch.float32)
+            and bn.eps > 0  # (torch's batch norm judges any other: some versions refuse 0)
             and all(x.dtype == t.dtype and x.is_contiguous() for x in bn[:4]))
 
 

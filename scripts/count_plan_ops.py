@@ -34,7 +34,7 @@ import flexplan  # noqa: E402,F401
 from flexplan import launcher, plan_views  # noqa: E402
 from flexplan.geometry import ConvGeometry  # noqa: E402
 from flexplan.planner import build_plan  # noqa: E402
-from flexplan.planner.generative_triton import transposed_map_triton  # noqa: E402
+from flexplan.planner.generative_triton import transposed_map_and_t_triton  # noqa: E402
 from flexplan.planner.hashmap import coords_problem_flags  # noqa: E402
 from flexplan.workloads import random_coords  # noqa: E402
 
@@ -174,7 +174,7 @@ def kinds(coords):
         "transposed s2 p1 inference": (build(UP, False), None),
         "transposed s2 p1 training": (build(UP, True), None),
         "inverse bwd map (inference plan)": (
-            lambda plan: transposed_map_triton(plan.fwd.neighbor_map, plan.num_in), down),
+            lambda plan: transposed_map_and_t_triton(plan.fwd.neighbor_map, plan.num_in), down),
         "first-conv views (subm)": (first_conv_views, subm),
         "first-conv views (deferred subm)": (first_conv_views_deferred, deferred),
     }

@@ -218,8 +218,10 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
     from flexplan.aot.variants import KERNELS, enumerate_variants
     from flexplan.cache.format import plan_problem
     from flexplan.coords_hash import coords_digest
-    from flexplan.planner.generative_triton import transposed_map_triton
+    from flexplan.planner.generative_triton import (transposed_map_and_t_triton,
+                                                    transposed_map_triton)
     from flexplan.nn.submconv import SubMConv3d
+    from flexplan.ops import BatchNormReLU
     from flexplan.ops.pool import sparse_pool
     from flexplan.workloads import random_coords
 
@@ -258,6 +260,12 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
         build_plan(coords, (8, 8, 8), 1, geometry, backend="triton")
     transposed_map_triton(build_plan(coords, (8, 8, 8), 1, geometry).fwd.neighbor_map,
                           len(coords))  # an inverse conv's bwd map (its inference plan's)
+    for extra in range(4):  # with its layout, at row counts of every alignment of the layout
+        transposed_map_and_t_triton(build_plan(coords, (8, 8, 8), 1, geometry).fwd.neighbor_map,
+                                    len(coords) + extra)
+    # a first sighting's submanifold inference plan (unscheduled, its layout from the hash)
+    build_plan(coords, (8, 8, 8), 1, ConvGeometry.submanifold_conv(3, 1), backend="triton",
+               training=False, scheduled=False)
     plan_problem(build_plan(coords, (8, 8, 8), 1, ConvGeometry.submanifold_conv(3, 1)))
     for dtype in (torch.float32, torch.float16):
         x = SparseTensor(torch.randn(len(coords), 16, generator=gen).to(dtype).requires_grad_(),
@@ -265,6 +273,14 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
         for algo in ("auto", "explicit"):  # explicit: its im2col kernel
             conv = SubMConv3d(16, 16, dtype=dtype, algo=algo)
             conv(x).feats.float().square().sum().backward()
+        # an eval conv -> BatchNorm -> ReLU block's epilogue, BatchNorm in the features' dtype
+        # and in float32 (an fp32 model under autocast)
+        conv = SubMConv3d(16, 16, dtype=dtype, bias=False)
+        for bn_dtype in (dtype, torch.float32):
+            bn = torch.nn.BatchNorm1d(16, dtype=bn_dtype).eval()
+            with torch.no_grad():
+                conv(x, bn_relu=BatchNormReLU(bn.running_mean, bn.running_var, bn.weight,
+                                              bn.bias, bn.eps))
         pool_plan = build_plan(coords, (8, 8, 8), 1, ConvGeometry.make(2, stride=2,
                                                                          submanifold=False))
         for mode in ("max", "avg"):

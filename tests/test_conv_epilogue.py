@@ -78,6 +78,20 @@ def run_unfused(net, x):
         conv_epilogue.FUSE_BN_RELU = old
 
 
+def assert_as_the_modules(net, x, error):
+    """net(x()) in inference does what its modules one by one do: the same error (of type
+    `error`), or the same features."""
+    try:
+        want = run_unfused(net, x)
+    except error as exc:
+        with pytest.raises(error, match=re.escape(str(exc)[:20])), torch.no_grad():
+            net(x())
+    else:
+        with torch.no_grad():
+            got = net(x())
+        torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 def test_fused_blocks_against_float64(dtype, device, fused_launches):
     gen = torch.Generator().manual_seed(0)
@@ -265,15 +279,7 @@ def test_nan_and_odd_numbers_as_the_modules_give_them(device, fused_launches):
     odd = blocks(gen).to(device).eval()  # float32 features, a float64 BatchNorm
     odd[1].double()
     x32 = lambda: spconv.SparseConvTensor(x64().features.float(), x64().indices, SHAPE, 2)  # noqa: E731
-    try:
-        want = run_unfused(odd, x32)
-    except RuntimeError as exc:
-        with pytest.raises(RuntimeError, match=re.escape(str(exc)[:20])), torch.no_grad():
-            odd(x32())
-    else:
-        with torch.no_grad():
-            got = odd(x32())
-        torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
+    assert_as_the_modules(odd, x32, RuntimeError)
 
 
 def test_a_batchnorm_of_eps_zero_runs_as_torch_judges_it(device, fused_launches):
@@ -284,13 +290,5 @@ def test_a_batchnorm_of_eps_zero_runs_as_torch_judges_it(device, fused_launches)
     net[1].eps = 0.0
     x64 = inputs(gen, device)
     x = lambda: spconv.SparseConvTensor(x64().features.float(), x64().indices, SHAPE, 2)  # noqa: E731
-    try:
-        want = run_unfused(net, x)
-    except ValueError as exc:
-        with pytest.raises(ValueError, match=re.escape(str(exc)[:20])), torch.no_grad():
-            net(x())
-    else:
-        with torch.no_grad():
-            got = net(x())
-        torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
+    assert_as_the_modules(net, x, ValueError)
     assert len(fused_launches) <= 2  # (the first block did not fuse)

@@ -36,7 +36,8 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
 
     backend: "triton" (GPU hash table), "torch" (sort + searchsorted; the CPU path and test
     oracle) or "auto" (Triton on a GPU, torch elsewhere). Both give identical plans.
-    check: validate coords (range, duplicates) first; pass False for coords already checked.
+    check: validate coords (range, duplicates) first; pass False for coords already checked
+    (unchecked duplicates make a plan whose parts may disagree: never pass unchecked input).
     training: False builds an inference plan (ConvPlan.for_training): no backward parts.
     scheduled: False with training False builds no schedule of the fwd map: for a strided
     geometry a maps-only plan (ConvPlan.maps_only), what pools read; for a submanifold one a
@@ -88,7 +89,9 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
         layout = None if unscheduled else schedule_layout(coords.shape[0], geometry.volume,
                                                           PLAN_BLOCK_SIZES, signal_offsets)
         # An unscheduled map's rows stay in their own order: the hash kernels write the gather
-        # kernels' layout of it too (its sorted_map_t, one launch fewer at its first conv).
+        # kernels' layout of it too (its sorted_map_t, one launch fewer at its first conv; a
+        # conv big enough to schedule the map, ops.conv.SCHEDULE_WORK_MIN, reads the
+        # schedule's own layout instead, and this one only takes memory).
         map_t = torch.empty((geometry.volume, coords.shape[0]), dtype=torch.int32,
                             device=coords.device) if unscheduled else None
         # (checked before: the flags are not read, the problems start at the schedule's slots)

@@ -21,7 +21,7 @@ from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
 from .keys import pack_coords, unpack_keys
 from .offsets import kernel_offsets
-from .generative_triton import transposed_map_and_t_triton
+from .generative_triton import transposed_map_and_t_triton, transposed_map_triton
 from .segments import gather_map, plan_schedule, unscheduled_map
 
 
@@ -139,11 +139,14 @@ def bwd_from_fwd(plan: ConvPlan) -> ConvPlan:
     keeps no pairs)."""
     fwd = plan.fwd.neighbor_map
     with on_device_of(fwd):  # (its launches: on the plan's GPU)
-        if fwd.is_cuda:
+        scheduled = SCHEDULE_INVERSE_MAPS and not plan.maps_only  # (a maps-only plan stays one)
+        if fwd.is_cuda and not scheduled:  # (a scheduled map gets its layout from the schedule)
             bwd, bwd_t = transposed_map_and_t_triton(fwd, plan.num_in)
+        elif fwd.is_cuda:
+            bwd, bwd_t = transposed_map_triton(fwd, plan.num_in), None
         else:
             bwd, bwd_t = transposed_map_torch(fwd, plan.num_in), None
-        if SCHEDULE_INVERSE_MAPS and not plan.maps_only:  # (a maps-only plan stays one)
+        if scheduled:
             bwd_map, _, _ = plan_schedule(bwd, PLAN_BLOCK_SIZES, signal_offsets=0, pairs_total=0)
         else:
             bwd_map = unscheduled_map(bwd)

@@ -187,8 +187,10 @@ def transposed_map_and_t_triton(fwd: torch.Tensor, num_in: int
     buffer for both, one launch. The transpose is the gather kernels' layout of bwd with its
     rows in their own order (an inverse conv's map: sorted_map_t of its unscheduled map)."""
     m, v = fwd.shape
-    both = torch.full((2, num_in * v), MISSING, dtype=torch.int32, device=fwd.device)
-    bwd, bwd_t = both[0].view(num_in, v), both[1].view(v, num_in)
+    entries = num_in * v
+    room = -(-entries // 4) * 4  # (the transpose starts 16-byte aligned, as AOT variants are)
+    both = torch.full((room + entries,), MISSING, dtype=torch.int32, device=fwd.device)
+    bwd, bwd_t = both[:entries].view(num_in, v), both[room:].view(v, num_in)
     if m:
         launch_transpose_map(launch, fwd.contiguous(), bwd, bwd_t, m * v, num_in, v, True)
     return bwd, bwd_t

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from flexplan.aot import served
 from flexplan.aot.served import BUNDLE, COMPILED, DIRECT, Served
 
@@ -71,6 +74,7 @@ def test_the_jit_hook_notes_a_compiled_variant_with_its_reason(tmp_path, monkeyp
     assert served.records() == []  # runtime.reset forgets them
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what the doctor says without a GPU")
 def test_workload_needs_a_gpu(capsys, monkeypatch, tmp_path):
     from flexplan.aot import doctor, runtime
 

@@ -46,8 +46,8 @@ def blocks(gen):
     return net
 
 
-def inputs(gen, device, dtype=torch.float64, channels=5):
-    coords = random_coords(150, SHAPE, 2, generator=gen)
+def inputs(gen, device, dtype=torch.float64, channels=5, rows=150):
+    coords = random_coords(rows, SHAPE, 2, generator=gen)
     feats = torch.randn(coords.shape[0], channels, generator=gen, dtype=torch.float64).to(dtype)
     return lambda: spconv.SparseConvTensor(feats.to(device), coords.to(device), SHAPE, 2)
 
@@ -222,7 +222,7 @@ def test_blocks_that_do_not_fuse(device, fused_launches):
             block(bn=MyNorm(4)), block(act=torch.nn.LeakyReLU()),
             block(Shifted(5, 4, 3, bias=False)),
             block(spconv.SparseConv3d(5, 4, 3, bias=False, act_type="ReLU"))]
-    x = inputs(gen, device)
+    x = inputs(gen, device, rows=40)  # (thirteen networks: small ones)
     for i, net in enumerate(nets):
         want = run_unfused(net, x)
         with torch.no_grad():

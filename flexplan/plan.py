@@ -327,13 +327,12 @@ class GatherMap:
                             dict(self.valid_kernel_seg)))
 
 
-
-
 def with_sorted_map_t(gmap: GatherMap, map_t: torch.Tensor) -> GatherMap:
     """gmap, holding map_t as its sorted_map_t view: for a planner whose kernels wrote the map
     in sorted order [V, M] along with the map (the view's one launch saved), as it makes gmap."""
     gmap.derived_views["sorted_map_t"] = map_t
     return gmap
+
 
 @dataclass(frozen=True)
 class ConvPlan:

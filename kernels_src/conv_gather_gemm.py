@@ -20,7 +20,7 @@ Constexpr switches (each a small, enumerable set, so the AOT build can list them
              costs no compiled variant. Without SPLIT, partials and tile_counts are not read.
   HAS_BIAS:  add bias[n] (bias_ptr is a dummy otherwise).
   BN_RELU:   then an eval-mode BatchNorm and a ReLU, read from the BatchNorm's own running
-             statistics and affine parameters at the launch (ops/conv.py, EvalBatchNorm):
+             statistics and affine parameters at the launch (ops/conv.py, BatchNormReLU):
              out = max((acc - mean) * weight / sqrt(var + eps) + bias, 0) in the accumulator's
              dtype, rounded once (the bn_* pointers and bn_eps are dummies otherwise). Not for
              float64 features: bn_eps, a float argument, arrives as float32.

@@ -237,7 +237,8 @@ def _pair_tile(counts, scan, readback, state, entries, p, pair_tiles, FLAGS: tl.
 @triton.jit(do_not_specialize=["readback", "n", "entries", "kernels_at", "segs_at", "chunks",
                                "tiles"])
 def schedule_offsets_kernel(sorted_ranks, order, nmap, map_t, sorted_idx, counts, scan, plan_out,
-                            readback, n, entries, kernels_at, segs_at, chunks, tiles, V: tl.constexpr,
+                            readback, n, entries, kernels_at, segs_at, chunks, tiles,
+                            V: tl.constexpr,
                             WORDS: tl.constexpr, WORD_BITS: tl.constexpr, B0: tl.constexpr,
                             LEVELS: tl.constexpr, FLAGS: tl.constexpr, ROWS: tl.constexpr,
                             PAIR_TILE: tl.constexpr, LOOK_BACK: tl.constexpr):

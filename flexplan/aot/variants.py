@@ -213,8 +213,8 @@ def _acc_dtype(dtype: str) -> str:
 def gather_gemm_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
     """The launches of ops.conv.gather_gemm for one dispatched launch: grad-input over the
     forward map reversed (submanifold plans) or the backward map (the others); the forward with
-    and without bias, and with a BatchNormReLU epilogue. The output is in the features' dtype, split-K or not (the kernel sums
-    its accumulator-dtype partials)."""
+    and without bias, and with a BatchNormReLU epilogue. The output is in the features' dtype,
+    split-K or not (the kernel sums its accumulator-dtype partials)."""
     from ..ops.conv import launch_gather_gemm
 
     problem, cfg = launch.problem, launch.config

@@ -48,8 +48,6 @@ class FoldedBatchNorm(SparseModule):
         return f"{self.num_features} (folded into the conv before)"
 
 
-
-
 def foldable(conv, bn) -> bool:
     """Would folding bn into conv leave the pair's output unchanged (but for rounding)?"""
     return (isinstance(conv, (SubMConv3d, SparseConvolution))

@@ -32,33 +32,21 @@ class SparseSequential(torch.nn.Sequential, SparseModule):
         self.name = None
 
     def forward(self, x):
-        if fusing():  # inference: conv -> BatchNorm -> ReLU blocks in one kernel
-            return self._forward_fused(x)
-        for module in self:
-            if is_sparse_module(module) or not isinstance(x, SparseTensor):
-                x = module(x)
-            elif x.num_voxels:
-                x = x.replace_feats(module(x.feats))
-        return x
-
-    def _forward_fused(self, x):
-        """forward, with each qualifying conv -> BatchNorm -> ReLU run as the conv with their
-        epilogue (nn/conv_epilogue.py)."""
-        modules = list(self._modules.values())
-        i, count = 0, len(modules)
-        while i < count:
-            module = modules[i]
-            if is_sparse_module(module) or not isinstance(x, SparseTensor):
+        # In inference a qualifying conv -> BatchNorm -> ReLU runs as the conv with their
+        # epilogue, one kernel (nn/conv_epilogue.py); the two modules after it are skipped.
+        fuse = fusing()
+        modules = tuple(self._modules.values())
+        skip = 0
+        for i, module in enumerate(modules):
+            if skip:
+                skip -= 1
+            elif is_sparse_module(module) or not isinstance(x, SparseTensor):
                 bn = (bn_relu_epilogue(module, modules[i + 1], modules[i + 2])
-                      if i + 2 < count and isinstance(x, SparseTensor) else None)
-                if bn is not None:
-                    x = module(x, bn_relu=bn)
-                    i += 3
-                    continue
-                x = module(x)
+                      if fuse and i + 2 < len(modules) and isinstance(x, SparseTensor) else None)
+                x = module(x) if bn is None else module(x, bn_relu=bn)
+                skip = 0 if bn is None else 2
             elif x.num_voxels:
                 x = x.replace_feats(module(x.feats))
-            i += 1
         return x
 
 

@@ -233,19 +233,13 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
         tile_counts = split_tile_counts(src.device, output_tiles(m, n, cfg))
     else:  # (not read)
         partials, tile_counts = out, gmap.sorted_idx
-    if bn is None:  # (not read: any tensor of one dtype)
-        bn = _NO_BN._replace(mean=w_nvk, var=w_nvk, weight=w_nvk, bias=w_nvk)
-        fused = False
-    else:
-        fused = True
+    # (without an epilogue its tensors are not read: any of one dtype)
+    norm = bn if bn is not None else (w_nvk, w_nvk, w_nvk, w_nvk, 0.0)
     launch_gather_gemm(launch, src, w_nvk, bias if bias is not None else w_nvk, map_t,
                        gmap.sorted_idx, chunks, valid_kernel, valid_kernel_seg, out, partials,
-                       tile_counts, *bn, m, k, n, v, cfg, masked, reverse, bias is not None,
-                       fused, dtype, hip)
+                       tile_counts, *norm, m, k, n, v, cfg, masked, reverse, bias is not None,
+                       bn is not None, dtype, hip)
     return out
-
-
-_NO_BN = BatchNormReLU(None, None, None, None, 0.0)
 
 
 # The multiply-adds (rows x offsets x Ci x Co) from which a convolution over a map without a
@@ -602,14 +596,6 @@ def _eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32, bn=None):
     if cast is not None:
         feats = feats.to(cast)
     _check(feats, plan, weight, bias, algo, cast)
-    if bn is not None:
-        bn = _check_bn(bn, weight.shape[0], feats.device)
-        if (torch.is_grad_enabled() and any(t.requires_grad for t in bn[:4])) or (
-                not _bn_in_kernel(bn, feats.dtype, bias)):
-            # Differentiable through the BatchNorm's tensors, or tensors the kernel does not
-            # read: the epilogue in torch ops.
-            return bn_relu_torch(_eager_sparse_conv(feats, plan, weight, bias, algo,
-                                                    allow_tf32), bn)
     co, ci = weight.shape[0], weight.shape[-1]  # (a 4D plan's weight has 6 axes)
     w = weight.reshape(co, -1, ci).contiguous()
     b = bias.contiguous() if bias is not None else None
@@ -617,10 +603,15 @@ def _eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32, bn=None):
     # saved tensors (host time per call in a host-bound step).
     differentiable = torch.is_grad_enabled() and (
         feats.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+    if bn is not None:
+        bn = _check_bn(bn, co, feats.device)
+        if differentiable or (torch.is_grad_enabled() and any(t.requires_grad for t in bn[:4])
+                              ) or not _bn_in_kernel(bn, feats.dtype, bias):
+            # Something to differentiate, or tensors the kernel does not read: the epilogue
+            # in torch ops after the convolution.
+            return bn_relu_torch(_eager_sparse_conv(feats, plan, weight, bias, algo,
+                                                    allow_tf32), bn)
     device_type = feats.device.type
-    if bn is not None and differentiable:
-        return bn_relu_torch(_eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32),
-                             bn)
     with on_device_of(feats):
         if cast is None:
             if not differentiable:

@@ -44,9 +44,11 @@ VARIANTS = {"flexplan-fused": {"fuse": True},
                                                       False),)},
             # without what torch.compile's custom ops add to eager calls: plans indexed by
             # their token (plan_tokens), the conv's is_compiling branch
-            # inference inverse convs over scheduled bwd maps (masked kernels), as before
-            "flexplan-scheduled-inverse": {"settings": (
-                ("flexplan.planner.generative", "SCHEDULE_INVERSE_MAPS", True),)},
+            # strided / transposed plans' bwd maps scheduled (masked kernels for the strided
+            # convs' grad-input and the inverse convs), as before sessions 37 (inference) and
+            # 41 (training): planner.segments.SCHEDULE_BWD_MAPS
+            "flexplan-scheduled-bwd-maps": {"settings": (
+                ("flexplan.planner.segments", "SCHEDULE_BWD_MAPS", True),)},
             # submanifold inference plans scheduled at their first sighting, as before
             # (plan_cache.DEFER_FIRST_SCHEDULE)
             "flexplan-scheduled-first-sightings": {"settings": (
@@ -82,8 +84,8 @@ VARIANT_RATIOS = {
                               ("flexplan-synced-pairs", "fp16"), ("flexplan", "fp16")),
     "flexplan-recorded-order": ("flexplan recorded order / flexplan fp16",
                                 ("flexplan-recorded-order", "fp16"), ("flexplan", "fp16")),
-    "flexplan-scheduled-inverse": ("flexplan scheduled inverse maps / flexplan fp16",
-                                   ("flexplan-scheduled-inverse", "fp16"), ("flexplan", "fp16")),
+    "flexplan-scheduled-bwd-maps": ("flexplan scheduled bwd maps / flexplan fp16",
+                                    ("flexplan-scheduled-bwd-maps", "fp16"), ("flexplan", "fp16")),
     "flexplan-scheduled-first-sightings": ("flexplan scheduled first sightings / flexplan fp16",
                                            ("flexplan-scheduled-first-sightings", "fp16"),
                                            ("flexplan", "fp16")),

@@ -130,7 +130,7 @@ def test_inference_plans(case, device):
         inv, inv_full = inverse_plan(plan, coords), inverse_plan(full, coords)
         assert torch.equal(inv.fwd.neighbor_map, inv_full.fwd.neighbor_map)
         # (the inference plan's inverse map is unscheduled: rows in their own order, no blocks;
-        # planner.generative.SCHEDULE_INVERSE_MAPS)
+        # planner.segments.SCHEDULE_BWD_MAPS)
         assert torch.equal(inv.fwd.sorted_idx.long(), torch.arange(inv.num_out, device=device))
         assert not inv.fwd.block_sizes
         feats = torch.randn(coords.shape[0], 2, dtype=torch.float64, device=device)
@@ -142,6 +142,48 @@ def test_inference_plans(case, device):
                                    sparse_conv(out_feats, inv_full, inv_weight))
         with pytest.raises(RuntimeError, match="inference plan"):
             sparse_conv(feats.requires_grad_(True), plan, weight).sum().backward()
+
+
+@pytest.mark.parametrize("case, schedule", [(CASES[0], False), (CASES[7], False), (CASES[0], True)],
+                         ids=[IDS[0], IDS[7], f"{IDS[0]}-scheduled"])
+def test_training_bwd_map_unscheduled(case, device, monkeypatch, schedule):
+    """A training build's bwd map (planner.segments.SCHEDULE_BWD_MAPS False, the default): the
+    fwd map transposed, rows in their own order, no blocks, its gather layout made with it
+    (no launch at its first conv); the strided conv's grad-input (masked kernels over every
+    offset) and the inverse conv's forward over it equal the explicit GEMMs over the torch
+    planner's maps, gradients included; scheduled (True) as before."""
+    from flexplan.ops import sparse_conv
+    from flexplan.planner import segments
+    from flexplan.planner.generative import inverse_plan
+
+    monkeypatch.setattr(segments, "SCHEDULE_BWD_MAPS", schedule)
+    shape, geom = case[5], geometry(case)
+    gen = torch.Generator().manual_seed(21 + schedule)
+    coords = random_coords(int(shape[0] * shape[1] * shape[2] * 0.1), shape, 2, generator=gen)
+    oracle = build_plan(coords, shape, 2, geom, backend="torch")
+    plan = build_plan(coords.to(device), shape, 2, geom, backend="triton")
+    assert_same_plans(oracle, plan)
+    assert bool(plan.bwd.block_sizes) == schedule and bool(plan.fwd.block_sizes)
+    if not schedule:
+        assert torch.equal(plan.bwd.sorted_idx.long().cpu(), torch.arange(plan.num_in))
+        assert torch.equal(plan.bwd.derived_views["sorted_map_t"].cpu(),
+                           oracle.bwd.neighbor_map.t())
+    weight = torch.randn(3, *geom.kernel_size, 2, dtype=torch.float64, generator=gen)
+    feats = torch.randn(plan.num_in, 2, dtype=torch.float64, generator=gen)
+    low = torch.randn(plan.num_out, 3, dtype=torch.float64, generator=gen)
+    inv_weight = torch.randn(2, *geom.kernel_size, 3, dtype=torch.float64, generator=gen)
+    grads = {}
+    for name, p, algo in (("ref", oracle, "explicit"), ("got", plan, "masked")):
+        on = p.out_coords.device
+        leaves = [t.to(on).requires_grad_(True) for t in (feats, weight, low, inv_weight)]
+        inv = inverse_plan(p, coords.to(on))
+        down = sparse_conv(leaves[0], p, leaves[1], algo=algo)
+        up = sparse_conv(leaves[2], inv, leaves[3], algo=algo)
+        (down * down.detach().flip(0)).sum().backward(retain_graph=True)
+        (up * up.detach().flip(0)).sum().backward()
+        grads[name] = [down.detach(), up.detach()] + [t.grad for t in leaves]
+    for got, ref in zip(grads["got"], grads["ref"]):
+        torch.testing.assert_close(got.cpu(), ref.cpu(), rtol=1e-10, atol=1e-10)
 
 
 def test_layers_build_inference_plans_under_no_grad(device):
@@ -210,14 +252,14 @@ def test_inverse_conv_makes_an_inference_plans_bwd_map_once(device, monkeypatch)
 def test_inference_inverse_conv_over_an_unscheduled_map(device, monkeypatch, tmp_path,
                                                         schedule, algo):
     """An inference plan's inverse conv reads a bwd map made without the masked schedule
-    (planner.generative.SCHEDULE_INVERSE_MAPS False, the default): the implicit kernel then
+    (planner.segments.SCHEDULE_BWD_MAPS False, the default): the implicit kernel then
     runs, whatever masked algorithm was asked, and gives the training plan's result; with the
     schedule (True) as before. A refined plan holding such a map saves and loads."""
     import flexplan.nn.spconv as spconv
     from flexplan import cached_plan, load_plans, save_plans
-    from flexplan.planner import generative
+    from flexplan.planner import segments
 
-    monkeypatch.setattr(generative, "SCHEDULE_INVERSE_MAPS", schedule)
+    monkeypatch.setattr(segments, "SCHEDULE_BWD_MAPS", schedule)
     # (no step prefetch: it would hand these inference layers the training plans other cases'
     # steps recorded, which serve inference too)
     monkeypatch.setenv("FLEXPLAN_PLAN_PREFETCH", "0")

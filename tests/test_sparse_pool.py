@@ -268,7 +268,7 @@ def test_pool_layers_build_maps_only_plans(device, tmp_path):
                           scheduled=False)
     assert deferred.schedule_deferred and not deferred.maps_only and not deferred.fwd.block_sizes
     # An inverse conv's plan over an inference plan of a transposed conv has an unscheduled fwd
-    # map (the paired bwd map, SCHEDULE_INVERSE_MAPS off) and is no maps-only plan.
+    # map (the paired bwd map, SCHEDULE_BWD_MAPS off) and is no maps-only plan.
     from flexplan.planner.generative import inverse_plan
 
     paired = build_plan(coords, SHAPE, 2, up, training=False)

@@ -22,6 +22,7 @@ from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
 from .keys import pack_coords, unpack_keys
 from .offsets import kernel_offsets
 from .generative_triton import transposed_map_and_t_triton, transposed_map_triton
+from . import segments
 from .segments import gather_map, plan_schedule, unscheduled_map
 
 
@@ -98,7 +99,8 @@ def plan_from_candidates(coords, shape, out_shape, batch_size, geometry, trainin
     if training:
         bwd = torch.full((n_in, v), MISSING, dtype=torch.int32, device=coords.device)
         bwd[rows, taps] = out_rows.to(torch.int32)
-        bwd_map = gather_map(bwd, PLAN_BLOCK_SIZES)
+        bwd_map = (gather_map(bwd, PLAN_BLOCK_SIZES) if segments.SCHEDULE_BWD_MAPS
+                   else unscheduled_map(bwd))
     if maps_only:
         fwd_map, signal = unscheduled_map(fwd), None
     else:
@@ -122,24 +124,15 @@ def transposed_map_torch(fwd: torch.Tensor, num_in: int) -> torch.Tensor:
     return bwd[:num_in]
 
 
-# Whether bwd_from_fwd schedules the map it makes (Gray-code order and the masked kernels'
-# per-block offsets). False: the map keeps its rows in their own order with no schedule, and the
-# inverse conv that reads it runs the implicit kernel (all offsets, ops/conv.py): an inference
-# step (the one place such maps are made) then skips a sort and three launches per inverse conv,
-# host time that exceeds what the GPU saves with masked kernels there (measured:
-# scripts/results/bench_precision.md, session 37). True: as before (for A/B runs).
-SCHEDULE_INVERSE_MAPS = False
-
-
 @opaque
 def bwd_from_fwd(plan: ConvPlan) -> ConvPlan:
     """The plan with its bwd map (input rows gather output rows) made from the fwd map, for an
     inference plan of a strided / transposed conv whose inverse conv needs it: one launch (and,
-    with SCHEDULE_INVERSE_MAPS, the map's schedule) on a GPU, no host sync (an inference plan
-    keeps no pairs)."""
+    with segments.SCHEDULE_BWD_MAPS, the map's schedule) on a GPU, no host sync (an inference
+    plan keeps no pairs)."""
     fwd = plan.fwd.neighbor_map
     with on_device_of(fwd):  # (its launches: on the plan's GPU)
-        scheduled = SCHEDULE_INVERSE_MAPS and not plan.maps_only  # (a maps-only plan stays one)
+        scheduled = segments.SCHEDULE_BWD_MAPS and not plan.maps_only  # (a maps-only plan stays one)
         if fwd.is_cuda and not scheduled:  # (a scheduled map gets its layout from the schedule)
             bwd, bwd_t = transposed_map_and_t_triton(fwd, plan.num_in)
         elif fwd.is_cuda:

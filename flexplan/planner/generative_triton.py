@@ -6,10 +6,11 @@ the candidates and one host sync (kernels: kernels_src/plan_generative.py).
                  sort for small builds, rank_sort.py)                   for small builds)
     run starts   output row of each candidate (their scan), the         one launch
                  numbers of output rows and of candidates, read in the build's one host sync
-    bwd map      input rows gather output rows (training)               one launch
-    bwd schedule (segments_triton, no sync of its own: no pairs, its valid_kernel lengths
-                 stay on the device), queued after the sync so the host does not wait for it
     fwd map, out coords                                                 one launch
+    bwd map      input rows gather output rows (training): the fwd map   one launch
+                 transposed, with its gather layout, rows in their own order and no
+                 schedule (segments.SCHEDULE_BWD_MAPS; with it, the map comes from the
+                 candidates before the fwd map and gets its schedule, no sync of its own)
     fwd schedule (segments_triton, no sync of its own: the pair count is known)
 
 Same plans as generative.generative_plan (the test oracle): outputs in ascending key order,
@@ -17,7 +18,7 @@ pairs grouped by tap. (The order of equal keys after the sort does not matter: e
 writes its own map entry, and an output row's coordinates are its key.)
 
 All readbacks share one int64 buffer, filled with -1 once: the totals, the bwd schedule's
-state, room for the fwd schedule's (whose rows are not known until the sync), the run starts'
+state (if any), room for the fwd schedule's (whose rows are not known until the sync), the run starts'
 scan state.
 """
 from __future__ import annotations
@@ -31,9 +32,10 @@ from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..kernels_src import plan_generative as kernels
 from ..launch_spec import INT32, INT64, KEYS, SIZE
 from ..launcher import launch
-from ..plan import MISSING, ConvPlan, signal_fields
+from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
 from .keys import key_dtype
 from .rank_sort import CANDIDATES, rank_sorter
+from . import segments
 from .segments import unscheduled_map
 from .segments_triton import plan_schedule_triton, readback_bound, schedule_layout
 
@@ -130,10 +132,11 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
     kdtype = key_dtype(out_shape, batch_size)
     sent = SENTINEL[kdtype]
     total = n * slots
+    schedule_bwd = training and segments.SCHEDULE_BWD_MAPS
     # The bwd schedule's layout (its rows: the inputs), and the readbacks' places (the module's
     # docstring): the bwd schedule's slots follow the totals, as its flags.
-    layout = schedule_layout(n, v, PLAN_BLOCK_SIZES, 0) if training else None
-    fwd_at = TOTALS + (layout.readback_slots if training else 0)
+    layout = schedule_layout(n, v, PLAN_BLOCK_SIZES, 0) if schedule_bwd else None
+    fwd_at = TOTALS + (layout.readback_slots if schedule_bwd else 0)
     state_at = fwd_at + readback_bound(total, PLAN_BLOCK_SIZES, v if training else 0)
     readback = torch.full((state_at + run_starts_tiles(total) + 1,), -1, dtype=torch.int64,
                           device=device)
@@ -149,7 +152,7 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
         n_out, pairs = readback[:TOTALS].tolist()  # the one host sync
         pairs = max(pairs, 0)  # -1: no candidate at all
         bwd_map = None
-        if training:  # queued after the sync: the host does not wait for its schedule
+        if schedule_bwd:  # queued after the sync: the host does not wait for its schedule
             bwd = torch.full((n, v), MISSING, dtype=torch.int32, device=device)
             launch_scatter(launch, *scatter, bwd, bwd, coords, total, n, *out_shape, slots, v,
                            sent, False)
@@ -161,6 +164,9 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
             launch_scatter(launch, *scatter, fwd, fwd, out_coords, total, n, *out_shape, slots,
                            v, sent, True)
     del scatter, sorted_keys, order, rank, taps
+    if training and not schedule_bwd:  # (its rows in their own order: bwd_t is its layout)
+        bwd, bwd_t = transposed_map_and_t_triton(fwd, n)
+        bwd_map = with_sorted_map_t(unscheduled_map(bwd), bwd_t)
     if maps_only and not training:  # (its fwd slots of the readback stay unread)
         fwd_map, signal = unscheduled_map(fwd), None
     else:

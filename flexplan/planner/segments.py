@@ -14,6 +14,18 @@ from .segments_torch import (block_valid_offsets, gather_map_torch, gray_code_or
                              gray_rank_words, rank_words, sort_by_rank, valid_signal_torch)
 from .segments_triton import ScheduleLayout, plan_schedule_triton
 
+# Whether the bwd map of a strided or transposed plan (a training build's, or the one
+# generative.bwd_from_fwd makes for an inverse conv over an inference plan) gets the masked
+# schedule (Gray-code order, per-block offsets). False: its rows stay in their own order with
+# no schedule, and the convs reading it (the strided conv's grad-input, the inverse conv's
+# forward) run every offset of every block (ops/conv.py: plan_views.full_schedule, or a masked
+# schedule made at the first conv where the work is large, SCHEDULE_WORK_MIN). A row of such a
+# map has at most candidate_slots of its V offsets (8 of 27 at stride 2), so those convs do
+# more GPU work; a build then skips a Gray-rank pass, a sort, the schedule and their
+# allocations, host time that exceeds that work on host-bound steps (measurements:
+# scripts/results/bench_precision.md, sessions 37 and 41). True: scheduled, as before (A/B).
+SCHEDULE_BWD_MAPS = False
+
 
 def _use_triton(neighbor_map: torch.Tensor, backend: str) -> bool:
     if backend not in ("auto", "torch", "triton"):

@@ -175,7 +175,7 @@ def test_training_bwd_map_unscheduled(case, device, monkeypatch, schedule):
     grads = {}
     for name, p, algo in (("ref", oracle, "explicit"), ("got", plan, "masked")):
         on = p.out_coords.device
-        leaves = [t.to(on).requires_grad_(True) for t in (feats, weight, low, inv_weight)]
+        leaves = [t.clone().to(on).requires_grad_(True) for t in (feats, weight, low, inv_weight)]
         inv = inverse_plan(p, coords.to(on))
         down = sparse_conv(leaves[0], p, leaves[1], algo=algo)
         up = sparse_conv(leaves[2], inv, leaves[3], algo=algo)

@@ -18,13 +18,20 @@ Constexpr switches (each a small, enumerable set, so the AOT build can list them
              finish sums the S partials in order 0..S-1 and writes the tile (conv_common.py,
              split_tile_ticket: no second launch). The split count comes from the grid, so it
              costs no compiled variant. Without SPLIT, partials and tile_counts are not read.
-  HAS_BIAS:  add bias[n] (bias_ptr is a dummy otherwise).
-  BN_RELU:   then an eval-mode BatchNorm and a ReLU, read from the BatchNorm's own running
-             statistics and affine parameters at the launch (ops/conv.py, BatchNormReLU):
-             out = max((acc - mean) * weight / sqrt(var + eps) + bias, 0) in the accumulator's
-             dtype, rounded once (the bn_* pointers and bn_eps are dummies otherwise). Not for
-             float64 features: bn_eps, a float argument, arrives as float32.
   PRECISION: how float32 inputs multiply (conv_common.dot_acc): ieee, tf32 or tf32x3.
+
+The epilogue is a run-time argument (one binary serves all three, so an AOT bundle holds one
+forward binary per config, not three; issue #23's size per target): epilogue ==
+  EPILOGUE_NONE:    the sums as they are;
+  EPILOGUE_BIAS:    plus bias[n];
+  EPILOGUE_BN_RELU: an eval-mode BatchNorm and a ReLU, read from the BatchNorm's own running
+                    statistics and affine parameters at the launch (ops/conv.py,
+                    BatchNormReLU): out = max((acc - mean) * weight / sqrt(var + eps) + bias,
+                    0) in the accumulator's dtype, rounded once. Not for float64 features
+                    (bn_eps, a float argument, arrives as float32): their binaries leave it out.
+Pointers the epilogue does not read are dummies of any tensor; the bn_* pointers' dtype is
+specialized, so norms in float32 under 16-bit features (an fp32 BatchNorm under autocast) are
+a binary of their own.
 
 The weight is [N, V, K] contiguous: the layer weight [Co, V, Ci] for the forward, its transpose
 [Ci, V, Co] for grad-input; either way tiles are K-major, which TF32 tensor cores require.
@@ -34,24 +41,30 @@ import triton.language as tl
 
 from .conv_common import dot_acc, split_partials_sum, split_tile_ticket
 
+# The epilogues (the kernel's `epilogue` argument; the ops pass their .value).
+EPILOGUE_NONE = tl.constexpr(0)
+EPILOGUE_BIAS = tl.constexpr(1)
+EPILOGUE_BN_RELU = tl.constexpr(2)
+
 
 # Specialized (layer constants, one binary per layer): K, N, V (K and N divisible by 16 vectorize
 # the feature loads and output stores) and the alignment of the feature, weight, bias, map,
 # order and output tensors (own allocations: always 16-byte aligned). Not specialized (they
 # change from call to call): the row count M, and the offsets of valid_kernel and
 # valid_kernel_seg, views into the plan's one int32 buffer at size-dependent places that the
-# kernel reads one value at a time (alignment would buy nothing), and the split-K tile counters
-# (one scalar each; a dummy without SPLIT).
+# kernel reads one value at a time (alignment would buy nothing), the split-K tile counters
+# (one scalar each; a dummy without SPLIT), and the epilogue (0, 1 or 2: never a binary of its
+# own, see above).
 @triton.jit(do_not_specialize=["M", "valid_kernel_ptr", "valid_kernel_seg_ptr",
-                             "tile_counts_ptr"])
+                             "tile_counts_ptr", "epilogue"])
 def conv_gather_gemm_kernel(
     src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr, valid_kernel_ptr,
     valid_kernel_seg_ptr, out_ptr, partials_ptr, tile_counts_ptr,
-    bn_mean_ptr, bn_var_ptr, bn_weight_ptr, bn_bias_ptr, bn_eps,
+    bn_mean_ptr, bn_var_ptr, bn_weight_ptr, bn_bias_ptr, bn_eps, epilogue,
     M, K, N, V,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    MASKED: tl.constexpr, REVERSE_V: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr, CHUNK: tl.constexpr, BN_RELU: tl.constexpr,
+    MASKED: tl.constexpr, REVERSE_V: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -126,15 +139,16 @@ def conv_gather_gemm_kernel(
             acc = split_partials_sum(partials_ptr + tile_offs, out_mask, split_size, splits)
             tl.store(tile_counts_ptr + pid_mn, 0)  # ready for the next launch on this stream
     if last:
-        if HAS_BIAS:
+        if epilogue == EPILOGUE_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)[None, :]
-        if BN_RELU:
-            mean = tl.load(bn_mean_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
-            var = tl.load(bn_var_ptr + offs_n, mask=n_mask, other=1.0).to(acc.dtype)
-            gamma = tl.load(bn_weight_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
-            beta = tl.load(bn_bias_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
-            scale = gamma / tl.sqrt_rn(var + bn_eps)  # (tl.sqrt: the fast approximation)
-            # (NaN stays NaN, as torch.relu keeps it; the default maximum would drop it)
-            acc = tl.maximum((acc - mean[None, :]) * scale[None, :] + beta[None, :], 0.0,
-                             propagate_nan=tl.PropagateNan.ALL)
+        if src_ptr.dtype.element_ty != tl.float64:  # (a compile-time test: see above)
+            if epilogue == EPILOGUE_BN_RELU:
+                mean = tl.load(bn_mean_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
+                var = tl.load(bn_var_ptr + offs_n, mask=n_mask, other=1.0).to(acc.dtype)
+                gamma = tl.load(bn_weight_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
+                beta = tl.load(bn_bias_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
+                scale = gamma / tl.sqrt_rn(var + bn_eps)  # (tl.sqrt: the fast approximation)
+                # (NaN stays NaN, as torch.relu keeps it; the default maximum would drop it)
+                acc = tl.maximum((acc - mean[None, :]) * scale[None, :] + beta[None, :], 0.0,
+                                 propagate_nan=tl.PropagateNan.ALL)
         tl.store(out_ptr + tile_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)

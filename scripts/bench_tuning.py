@@ -64,14 +64,14 @@ def gather_gemm_splits(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_
                        tile_counts_ptr, M, K, N, V,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT: tl.constexpr, MASKED: tl.constexpr, REVERSE_V: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
-                       SPLITS: tl.constexpr):
+                       PRECISION: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr):
+    # (no epilogue: the bias and norm pointers are dummies, as the ops pass them)
     conv_gather_gemm_kernel(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr,
                             valid_kernel_ptr, valid_kernel_seg_ptr, out_ptr, partials_ptr,
-                            tile_counts_ptr, M, K, N, V,
+                            tile_counts_ptr, bias_ptr, bias_ptr, bias_ptr, bias_ptr, 0.0, 0,
+                            M, K, N, V,
                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT,
-                            MASKED=MASKED, REVERSE_V=REVERSE_V, HAS_BIAS=HAS_BIAS,
-                            PRECISION=PRECISION, CHUNK=CHUNK)
+                            MASKED=MASKED, REVERSE_V=REVERSE_V, PRECISION=PRECISION, CHUNK=CHUNK)
 
 
 @triton.jit
@@ -140,8 +140,7 @@ def wrapper_launch(work, part, max_splits):
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])
-    consts = fixed_constexprs(gather_gemm_constexprs(cfg, masked, reverse, False, work.dtype, hip),
-                              cfg)
+    consts = fixed_constexprs(gather_gemm_constexprs(cfg, masked, reverse, work.dtype, hip), cfg)
     return gather_gemm_splits, grid, args, consts, hook, out
 
 

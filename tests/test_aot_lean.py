@@ -69,11 +69,9 @@ def _dispatched(widths) -> set:
             assert not masked or cfg.block_m in PLAN_BLOCK_SIZES  # (heuristic, these tables)
             reverses = ((True,) * (v in coverage.SUBMANIFOLD_VOLUMES)
                         + (False,) * (v in coverage.STRIDED_VOLUMES)) if part == "dgrad" else (False,)
-            # (bias, BatchNormReLU epilogue): the forward's three
-            epilogues = ((True, False), (False, False), (False, True)) if part == "fwd" else (
-                (False, False),)
-            for reverse, (bias, bn) in itertools.product(reverses, epilogues):
-                constexprs = gather_gemm_constexprs(cfg, masked, reverse, bias, dtype, False, bn)
+            # (the epilogue, none, bias or BatchNormReLU, is a run-time argument: no constexpr)
+            for reverse in reverses:
+                constexprs = gather_gemm_constexprs(cfg, masked, reverse, dtype, False)
                 out.add((GATHER_GEMM, dtype, _int_class(k), _int_class(nn), _int_class(v),
                          tuple(sorted(constexprs.items()))))
     return out

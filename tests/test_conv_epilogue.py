@@ -3,6 +3,8 @@ SparseSequential: nn/conv_epilogue.py): the fused block against the three module
 for every dtype and both BatchNorm dtypes; which blocks fuse and which run module by module."""
 from __future__ import annotations
 
+import collections
+
 import copy
 import re
 
@@ -54,12 +56,12 @@ def inputs(gen, device, dtype=torch.float64, channels=5, rows=150):
 
 @pytest.fixture
 def fused_launches(monkeypatch):
-    """The gather-GEMM launches that carried the epilogue (BN_RELU), counted."""
+    """The gather-GEMM launches that carried the epilogue (BN_RELU_EPILOGUE), counted."""
     seen = []
     real = launcher.launch
 
     def spy(kernel, grid, *args, **constexprs):
-        if constexprs.get("BN_RELU"):
+        if kernel is conv_ops.conv_gather_gemm_kernel and args[16] == conv_ops.BN_RELU_EPILOGUE:
             assert type(args[15]) is float  # eps: fp32 whatever the BatchNorm holds
             seen.append(constexprs)
         return real(kernel, grid, *args, **constexprs)
@@ -242,20 +244,29 @@ def test_blocks_that_do_not_fuse(device, fused_launches):
 
 
 def test_the_shipped_bundles_hold_the_fused_variants():
-    """The AOT variants of a forward gather-GEMM include the epilogue, in the features' dtype
-    and in float32 (and every recorded launch passes a float eps the launcher can key)."""
+    """The AOT variants of a forward gather-GEMM serve the epilogue: one binary per config for
+    no epilogue, a bias and the BatchNormReLU in the features' dtype (a run-time argument,
+    never specialized), and for 16-bit features one with float32 norms; every recorded launch
+    passes a float eps the launcher can key."""
     from flexplan.aot import variants
 
     kernel = conv_ops.conv_gather_gemm_kernel
     key = launcher._call_key(kernel, 0, (torch.empty(4), 1e-3, 7), {})
     assert key is not None and 16 in key
+    spec = launcher.arg_specialization(kernel)
+    epilogue_at = [p.name for p in launcher.jit_function(kernel).params].index("epilogue")
+    assert epilogue_at == 16 and spec[epilogue_at] == launcher.NOT_SPECIALIZED
     every = variants.conv_variants("sm_90", channels=(16, 32))
-    found = [v for v in every if v.kernel == variants.GATHER_GEMM
-             and dict(v.constexprs).get("BN_RELU")]
-    assert found
-    norms = {(v.args[0][1], v.args[11][1]) for v in found}  # (src dtype, bn_mean dtype)
-    assert ("float16", "float16") in norms and ("float16", "float32") in norms
-    assert all(v.args[15] == ("float", 0.0) and not dict(v.constexprs)["HAS_BIAS"] for v in found)
+    forward = [v for v in every if v.kernel == variants.GATHER_GEMM
+               and not dict(v.constexprs)["REVERSE_V"]]
+    assert forward
+    norms = collections.Counter((v.args[0][1], v.args[11][1]) for v in forward)
+    assert norms[("float16", "float32")] and norms[("bfloat16", "float32")]
+    assert norms[("float16", "float16")] >= norms[("float16", "float32")]
+    assert not norms[("float32", "float16")] and not norms[("float16", "bfloat16")]
+    assert all(v.args[15] == ("float", 0.0) for v in forward)
+    assert not any("HAS_BIAS" in dict(v.constexprs) or "BN_RELU" in dict(v.constexprs)
+                   for v in forward)
 
 
 def test_nan_and_odd_numbers_as_the_modules_give_them(device, fused_launches):

@@ -212,9 +212,11 @@ def _acc_dtype(dtype: str) -> str:
 
 def gather_gemm_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
     """The launches of ops.conv.gather_gemm for one dispatched launch: grad-input over the
-    forward map reversed (submanifold plans) or the backward map (the others); the forward with
-    and without bias, and with a BatchNormReLU epilogue. The output is in the features' dtype,
-    split-K or not (the kernel sums its accumulator-dtype partials)."""
+    forward map reversed (submanifold plans) or the backward map (the others); the forward,
+    whose one binary serves every epilogue (none, bias, BatchNormReLU: a run-time argument),
+    and for 16-bit features also with float32 norms (an fp32 BatchNorm under autocast: a
+    pointer dtype of its own). The output is in the features' dtype, split-K or not (the
+    kernel sums its accumulator-dtype partials)."""
     from ..ops.conv import launch_gather_gemm
 
     problem, cfg = launch.problem, launch.config
@@ -223,17 +225,15 @@ def gather_gemm_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
     _, k, n = problem.gemm_mkn
     reverses = (True,) * (problem.v in SUBMANIFOLD_VOLUMES) + (False,) * (
         problem.v in STRIDED_VOLUMES) if problem.part == "dgrad" else ()
-    # (bias, BatchNormReLU's dtype or None): the forward with and without bias, and without
-    # bias followed by an eval BatchNorm and ReLU of either dtype (flexplan.nn fuses those:
-    # nn/sparse_sequential.py); the norm tensors of the plain launches are not read.
-    norms = sorted({feature, "float32"}) if feature != "float64" else []  # (float64: torch's)
-    epilogues = ([(True, None), (False, None)] + [(False, d) for d in norms]
-                 if problem.part == "fwd" else [(False, None)])
-    for reverse, (bias, norm) in itertools.product(reverses or (False,), epilogues):
-        yield record(launch_gather_gemm, dict(dtypes, norm=norm or feature), k=k, n=n,
-                     v=problem.v, cfg=cfg, masked=problem.algo.startswith("masked"),
-                     reverse=reverse, has_bias=bias, bn_relu=norm is not None, bn_eps=0.0,
-                     dtype=launch.dtype, hip=hip)
+    # The norms' dtype: the features' (also the dummies of the launches without the
+    # BatchNormReLU epilogue: ops.conv.gather_gemm), and float32 for 16-bit features
+    # (flexplan.nn fuses eval conv -> BatchNorm -> ReLU blocks: nn/sparse_sequential.py).
+    norms = [feature] + (["float32"] if problem.part == "fwd" and feature in (
+        "float16", "bfloat16") else [])
+    for reverse, norm in itertools.product(reverses or (False,), norms):
+        yield record(launch_gather_gemm, dict(dtypes, norm=norm), k=k, n=n, v=problem.v,
+                     cfg=cfg, masked=problem.algo.startswith("masked"), reverse=reverse,
+                     bn_eps=0.0, dtype=launch.dtype, hip=hip)
 
 
 def wgrad_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:

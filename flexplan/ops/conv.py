@@ -30,7 +30,8 @@ from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM,
                               choose_algo, config_dtype, dispatch_rows, dot_precision,
                               im2col_channel_major_blocks, precision_config, runtime_has_tf32,
                               runtime_is_hip)
-from ..kernels_src.conv_gather_gemm import conv_gather_gemm_kernel
+from ..kernels_src.conv_gather_gemm import (EPILOGUE_BIAS, EPILOGUE_BN_RELU, EPILOGUE_NONE,
+                                            conv_gather_gemm_kernel)
 from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
 from ..kernels_src.conv_wgrad import conv_wgrad_kernel
 from ..launch_spec import ACCUMULATOR, FEATURE, INT32, NORM, OUTPUT, SIZE
@@ -98,12 +99,17 @@ def _block_for(gmap: GatherMap, block_m: int) -> int:
 # Memoized: a launch looks its constexprs up instead of building two dicts (host time per call;
 # a process sees a few hundred combinations at most). The dicts are shared: read, never modify.
 @functools.lru_cache(maxsize=1024)
-def gather_gemm_constexprs(cfg: KernelConfig, masked: bool, reverse: bool, has_bias: bool,
-                           dtype: str, hip: bool, bn_relu: bool = False) -> dict:
-    """dtype: the Problem's (DTYPES); hip: compiled for a ROCm backend; bn_relu: the
-    BatchNormReLU epilogue."""
-    return dict(cfg.launch_kwargs(), MASKED=masked, REVERSE_V=reverse, HAS_BIAS=has_bias,
-                PRECISION=dot_precision(dtype, hip), CHUNK=SCHEDULE_CHUNK, BN_RELU=bn_relu)
+def gather_gemm_constexprs(cfg: KernelConfig, masked: bool, reverse: bool, dtype: str,
+                           hip: bool) -> dict:
+    """dtype: the Problem's (DTYPES); hip: compiled for a ROCm backend."""
+    return dict(cfg.launch_kwargs(), MASKED=masked, REVERSE_V=reverse,
+                PRECISION=dot_precision(dtype, hip), CHUNK=SCHEDULE_CHUNK)
+
+
+# The gather-GEMM's epilogue argument (kernels_src/conv_gather_gemm.py): none, + bias, or an
+# eval BatchNorm and ReLU (BatchNormReLU).
+NO_EPILOGUE, BIAS_EPILOGUE, BN_RELU_EPILOGUE = (EPILOGUE_NONE.value, EPILOGUE_BIAS.value,
+                                                EPILOGUE_BN_RELU.value)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -115,18 +121,18 @@ def launch_gather_gemm(run, src: FEATURE, weight: FEATURE, bias: FEATURE, sorted
                        sorted_idx: INT32, chunk_order: INT32, valid_kernel: INT32,
                        valid_kernel_seg: INT32, out: OUTPUT, partials: ACCUMULATOR,
                        tile_counts: INT32, bn_mean: NORM, bn_var: NORM, bn_weight: NORM,
-                       bn_bias: NORM, bn_eps: float, m: SIZE, k: int, n: int, v: int,
-                       cfg: KernelConfig, masked: bool, reverse: bool, has_bias: bool,
-                       bn_relu: bool, dtype: str, hip: bool) -> None:
-    """out[m, n] = sum_v src[map[m, v]] @ W_v (+ bias) over a map's m rows; weight read as
-    [n, v, k]; bias read only with has_bias; partials ([S, m, n]) and tile_counts (one zeroed
-    counter per output tile, split_tile_counts) read only under split-K; the bn_* (a
-    BatchNormReLU's) read only with bn_relu."""
+                       bn_bias: NORM, bn_eps: float, epilogue: SIZE, m: SIZE, k: int, n: int,
+                       v: int, cfg: KernelConfig, masked: bool, reverse: bool, dtype: str,
+                       hip: bool) -> None:
+    """out[m, n] = sum_v src[map[m, v]] @ W_v, then the epilogue (NO_EPILOGUE, BIAS_EPILOGUE:
+    + bias, BN_RELU_EPILOGUE: the bn_* of a BatchNormReLU), over a map's m rows; weight read
+    as [n, v, k]; partials ([S, m, n]) and tile_counts (one zeroed counter per output tile,
+    split_tile_counts) read only under split-K; what the epilogue does not read: dummies."""
     split = cfg.splitk > 1
     run(conv_gather_gemm_kernel, (output_tiles(m, n, cfg), cfg.splitk),
         src, weight, bias, sorted_map_t, sorted_idx, chunk_order, valid_kernel, valid_kernel_seg,
         out, partials if split else out, tile_counts, bn_mean, bn_var, bn_weight, bn_bias, bn_eps,
-        m, k, n, v, **gather_gemm_constexprs(cfg, masked, reverse, has_bias, dtype, hip, bn_relu))
+        epilogue, m, k, n, v, **gather_gemm_constexprs(cfg, masked, reverse, dtype, hip))
 
 
 def launch_wgrad(run, grad_out: FEATURE, src: FEATURE, pair_out: INT32, pair_in: INT32,
@@ -233,12 +239,18 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
         tile_counts = split_tile_counts(src.device, output_tiles(m, n, cfg))
     else:  # (not read)
         partials, tile_counts = out, gmap.sorted_idx
-    # (without an epilogue its tensors are not read: any of one dtype)
-    norm = bn if bn is not None else (w_nvk, w_nvk, w_nvk, w_nvk, 0.0)
+    # (tensors the epilogue does not read: dummies of the features' dtype, the binary that
+    # serves all three epilogues)
+    if bn is not None:
+        if bias is not None:  # (one epilogue per launch: the ops never ask for both)
+            raise ValueError("gather_gemm: a bias and a BatchNormReLU epilogue together")
+        norm, epilogue = bn, BN_RELU_EPILOGUE
+    else:
+        norm = (w_nvk, w_nvk, w_nvk, w_nvk, 0.0)
+        epilogue = NO_EPILOGUE if bias is None else BIAS_EPILOGUE
     launch_gather_gemm(launch, src, w_nvk, bias if bias is not None else w_nvk, map_t,
                        gmap.sorted_idx, chunks, valid_kernel, valid_kernel_seg, out, partials,
-                       tile_counts, *norm, m, k, n, v, cfg, masked, reverse, bias is not None,
-                       bn is not None, dtype, hip)
+                       tile_counts, *norm, epilogue, m, k, n, v, cfg, masked, reverse, dtype, hip)
     return out
 
 

@@ -49,16 +49,27 @@ class Size:
         return "SIZE"
 
 
+class Address(Size):
+    """The kind of a device address passed as an int, for a pointer whose dtype the kernel picks
+    at run time (a typed pointer would make each dtype a binary of its own): not specialized,
+    and always 64-bit (Triton types an int by its width: where the address is not read, pass
+    UNREAD_ADDRESS, as the build does)."""
+
+    def __repr__(self) -> str:
+        return "ADDRESS"
+
+
+# Any int64: what an ADDRESS argument that is not read gets, and the build's example of one.
+UNREAD_ADDRESS = 1 << 40
+
 INT32, INT64 = Tensor("int32"), Tensor("int64")
 FLOAT32, FLOAT64 = Tensor("float32"), Tensor("float64")
 FEATURE = Tensor("feature")  # the op's feature dtype (a float dtype; float32 for tf32)
 # What an op writes: the features' dtype, or float32 (a float32 master weight's gradient).
 OUTPUT = Tensor("output")
-# An eval BatchNorm's statistics and affine parameters in a conv's epilogue: the features'
-# dtype or float32 (an fp32 BatchNorm under autocast).
-NORM = Tensor("norm")
 ACCUMULATOR = Tensor("accumulator")  # split-K partial sums: float32 (float64 for float64 features)
 KEYS = Tensor("keys")  # packed voxel keys: int32 or int64 (planner/keys.py key_dtype)
 WORDS = Tensor("words")  # Gray-rank words: int32 or int64 (planner/segments_torch.py rank_words)
 SCAN = Tensor("scan")  # a prefix sum of counts: int32 or int64 (segments_triton.scan_dtype)
 SIZE = Size()
+ADDRESS = Address()

@@ -20,18 +20,20 @@ Constexpr switches (each a small, enumerable set, so the AOT build can list them
              costs no compiled variant. Without SPLIT, partials and tile_counts are not read.
   PRECISION: how float32 inputs multiply (conv_common.dot_acc): ieee, tf32 or tf32x3.
 
-The epilogue is a run-time argument (one binary serves all three, so an AOT bundle holds one
-forward binary per config, not three; issue #23's size per target): epilogue ==
-  EPILOGUE_NONE:    the sums as they are;
-  EPILOGUE_BIAS:    plus bias[n];
-  EPILOGUE_BN_RELU: an eval-mode BatchNorm and a ReLU, read from the BatchNorm's own running
-                    statistics and affine parameters at the launch (ops/conv.py,
-                    BatchNormReLU): out = max((acc - mean) * weight / sqrt(var + eps) + bias,
-                    0) in the accumulator's dtype, rounded once. Not for float64 features
-                    (bn_eps, a float argument, arrives as float32): their binaries leave it out.
-Pointers the epilogue does not read are dummies of any tensor; the bn_* pointers' dtype is
-specialized, so norms in float32 under 16-bit features (an fp32 BatchNorm under autocast) are
-a binary of their own.
+The epilogue is a run-time argument (one binary serves them all, so an AOT bundle holds one
+forward binary per config, not four; issue #23's size per target): epilogue ==
+  EPILOGUE_NONE:        the sums as they are;
+  EPILOGUE_BIAS:        plus bias[n];
+  EPILOGUE_BN_RELU:     an eval-mode BatchNorm and a ReLU, read from the BatchNorm's own
+                        running statistics and affine parameters at the launch (ops/conv.py,
+                        BatchNormReLU): out = max((acc - mean) * weight / sqrt(var + eps) +
+                        bias, 0) in the accumulator's dtype, rounded once; its four tensors in
+                        the features' dtype;
+  EPILOGUE_BN_RELU_F32: the same with float32 tensors (an fp32 BatchNorm under autocast).
+The BatchNorm's tensors come as addresses (bn_*_addr, ints: a typed pointer would make each
+dtype a binary of its own); the bias pointer, where the epilogue reads none, is a dummy. Not
+for float64 features (bn_eps, a float argument, arrives as float32): their binaries leave the
+BatchNorm out.
 
 The weight is [N, V, K] contiguous: the layer weight [Co, V, Ci] for the forward, its transpose
 [Ci, V, Co] for grad-input; either way tiles are K-major, which TF32 tensor cores require.
@@ -45,6 +47,19 @@ from .conv_common import dot_acc, split_partials_sum, split_tile_ticket
 EPILOGUE_NONE = tl.constexpr(0)
 EPILOGUE_BIAS = tl.constexpr(1)
 EPILOGUE_BN_RELU = tl.constexpr(2)
+EPILOGUE_BN_RELU_F32 = tl.constexpr(3)
+
+
+@triton.jit
+def _load_norms(mean_addr, var_addr, weight_addr, bias_addr, offs_n, n_mask, NORM: tl.constexpr,
+                ACC: tl.constexpr):
+    """The BatchNorm's four [BLOCK_N] vectors, stored as NORM at the four addresses, in ACC."""
+    ty = tl.pointer_type(NORM)
+    mean = tl.load(mean_addr.to(ty) + offs_n, mask=n_mask, other=0.0).to(ACC)
+    var = tl.load(var_addr.to(ty) + offs_n, mask=n_mask, other=1.0).to(ACC)
+    weight = tl.load(weight_addr.to(ty) + offs_n, mask=n_mask, other=0.0).to(ACC)
+    bias = tl.load(bias_addr.to(ty) + offs_n, mask=n_mask, other=0.0).to(ACC)
+    return mean, var, weight, bias
 
 
 # Specialized (layer constants, one binary per layer): K, N, V (K and N divisible by 16 vectorize
@@ -53,14 +68,15 @@ EPILOGUE_BN_RELU = tl.constexpr(2)
 # change from call to call): the row count M, and the offsets of valid_kernel and
 # valid_kernel_seg, views into the plan's one int32 buffer at size-dependent places that the
 # kernel reads one value at a time (alignment would buy nothing), the split-K tile counters
-# (one scalar each; a dummy without SPLIT), and the epilogue (0, 1 or 2: never a binary of its
-# own, see above).
+# (one scalar each; a dummy without SPLIT), the epilogue and the BatchNorm's addresses (never
+# a binary of their own, see above).
 @triton.jit(do_not_specialize=["M", "valid_kernel_ptr", "valid_kernel_seg_ptr",
-                             "tile_counts_ptr", "epilogue"])
+                             "tile_counts_ptr", "bn_mean_addr", "bn_var_addr",
+                             "bn_weight_addr", "bn_bias_addr", "epilogue"])
 def conv_gather_gemm_kernel(
     src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr, valid_kernel_ptr,
     valid_kernel_seg_ptr, out_ptr, partials_ptr, tile_counts_ptr,
-    bn_mean_ptr, bn_var_ptr, bn_weight_ptr, bn_bias_ptr, bn_eps, epilogue,
+    bn_mean_addr, bn_var_addr, bn_weight_addr, bn_bias_addr, bn_eps, epilogue,
     M, K, N, V,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     MASKED: tl.constexpr, REVERSE_V: tl.constexpr, PRECISION: tl.constexpr,
@@ -142,11 +158,15 @@ def conv_gather_gemm_kernel(
         if epilogue == EPILOGUE_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)[None, :]
         if src_ptr.dtype.element_ty != tl.float64:  # (a compile-time test: see above)
-            if epilogue == EPILOGUE_BN_RELU:
-                mean = tl.load(bn_mean_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
-                var = tl.load(bn_var_ptr + offs_n, mask=n_mask, other=1.0).to(acc.dtype)
-                gamma = tl.load(bn_weight_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
-                beta = tl.load(bn_bias_ptr + offs_n, mask=n_mask, other=0.0).to(acc.dtype)
+            if epilogue >= EPILOGUE_BN_RELU:
+                if epilogue == EPILOGUE_BN_RELU_F32:
+                    mean, var, gamma, beta = _load_norms(
+                        bn_mean_addr, bn_var_addr, bn_weight_addr, bn_bias_addr, offs_n, n_mask,
+                        tl.float32, acc.dtype)
+                else:
+                    mean, var, gamma, beta = _load_norms(
+                        bn_mean_addr, bn_var_addr, bn_weight_addr, bn_bias_addr, offs_n, n_mask,
+                        src_ptr.dtype.element_ty, acc.dtype)
                 scale = gamma / tl.sqrt_rn(var + bn_eps)  # (tl.sqrt: the fast approximation)
                 # (NaN stays NaN, as torch.relu keeps it; the default maximum would drop it)
                 acc = tl.maximum((acc - mean[None, :]) * scale[None, :] + beta[None, :], 0.0,

@@ -3,8 +3,8 @@ features' dtype and in float32), on a LiDAR level's submanifold plan: for A/B ru
 kernel's epilogue between two checkouts (run each with PYTHONPATH pointing at it).
 
 Usage (GPU): python3 scripts/probe_epilogue.py [--reps 200] [--dtype float16]
-Prints one line per (channels, epilogue): median microseconds per launch (CUDA events around
---reps launches, after a warm-up), the same plan and inputs for every row.
+Prints one line per (channels, epilogue): median microseconds per launch (a CUDA graph of
+--reps launches replayed between CUDA events), the same plan and inputs for every row.
 """
 from __future__ import annotations
 
@@ -20,14 +20,21 @@ from flexplan.workloads import lidar_batch
 
 
 def time_us(fn, reps: int) -> float:
-    for _ in range(10):
+    """Median over 5 replays of a CUDA graph of `reps` calls (the kernels alone: a small
+    conv's host call takes longer than its kernel, which timing eager calls would measure)."""
+    for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
     samples = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(reps):
-            fn()
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / reps)
@@ -36,7 +43,7 @@ def time_us(fn, reps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--dtype", default="float16")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -46,7 +53,7 @@ def main() -> None:
     plan = build_plan(coords, shape, 2, ConvGeometry.make(3), training=False)
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
-        for ci, co in ((16, 16), (64, 64)):
+        for ci, co in ((16, 16), (32, 32), (64, 64)):
             feats = torch.randn(coords.shape[0], ci, device=device, generator=gen).to(dtype)
             weight = torch.randn(co, 3, 3, 3, ci, device=device, generator=gen).to(dtype) * 0.1
             bias = torch.randn(co, device=device, generator=gen).to(dtype)

@@ -61,7 +61,8 @@ def fused_launches(monkeypatch):
     real = launcher.launch
 
     def spy(kernel, grid, *args, **constexprs):
-        if kernel is conv_ops.conv_gather_gemm_kernel and args[16] == conv_ops.BN_RELU_EPILOGUE:
+        if kernel is conv_ops.conv_gather_gemm_kernel and args[16] in (
+                conv_ops.BN_RELU_EPILOGUE, conv_ops.BN_RELU_F32_EPILOGUE):
             assert type(args[15]) is float  # eps: fp32 whatever the BatchNorm holds
             seen.append(constexprs)
         return real(kernel, grid, *args, **constexprs)
@@ -245,8 +246,8 @@ def test_blocks_that_do_not_fuse(device, fused_launches):
 
 def test_the_shipped_bundles_hold_the_fused_variants():
     """The AOT variants of a forward gather-GEMM serve the epilogue: one binary per config for
-    no epilogue, a bias and the BatchNormReLU in the features' dtype (a run-time argument,
-    never specialized), and for 16-bit features one with float32 norms; every recorded launch
+    no epilogue, a bias and the BatchNormReLU in either dtype (run-time arguments, never
+    specialized: the epilogue and the BatchNorm tensors' addresses); every recorded launch
     passes a float eps the launcher can key."""
     from flexplan.aot import variants
 
@@ -254,16 +255,17 @@ def test_the_shipped_bundles_hold_the_fused_variants():
     key = launcher._call_key(kernel, 0, (torch.empty(4), 1e-3, 7), {})
     assert key is not None and 16 in key
     spec = launcher.arg_specialization(kernel)
-    epilogue_at = [p.name for p in launcher.jit_function(kernel).params].index("epilogue")
-    assert epilogue_at == 16 and spec[epilogue_at] == launcher.NOT_SPECIALIZED
+    names = [p.name for p in launcher.jit_function(kernel).params]
+    run_time = ("bn_mean_addr", "bn_var_addr", "bn_weight_addr", "bn_bias_addr", "epilogue")
+    assert [names.index(name) for name in run_time] == [11, 12, 13, 14, 16]
+    assert all(spec[names.index(name)] == launcher.NOT_SPECIALIZED for name in run_time)
     every = variants.conv_variants("sm_90", channels=(16, 32))
     forward = [v for v in every if v.kernel == variants.GATHER_GEMM
                and not dict(v.constexprs)["REVERSE_V"]]
-    assert forward
-    norms = collections.Counter((v.args[0][1], v.args[11][1]) for v in forward)
-    assert norms[("float16", "float32")] and norms[("bfloat16", "float32")]
-    assert norms[("float16", "float16")] >= norms[("float16", "float32")]
-    assert not norms[("float32", "float16")] and not norms[("float16", "bfloat16")]
+    assert {v.args[0][1] for v in forward} >= {"float16", "bfloat16", "float32"}
+    # one binary per forward config and dtype: nothing but the config tells two apart
+    configs = collections.Counter((v.args[0][1], v.args[17:21], v.constexprs) for v in forward)
+    assert max(configs.values()) == 1
     assert all(v.args[15] == ("float", 0.0) for v in forward)
     assert not any("HAS_BIAS" in dict(v.constexprs) or "BN_RELU" in dict(v.constexprs)
                    for v in forward)

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..kernel_configs import GATHER_GEMM, PLAN_BLOCK_SIZES, WGRAD
-from ..launch_spec import Size, Tensor
+from ..launch_spec import UNREAD_ADDRESS, Address, Size, Tensor
 from ..launcher import NOT_SPECIALIZED, SPECIALIZED, arg_specialization, jit_function
 from ..plan import mirrored_signal_offsets
 from ..tuning.aot import (AOT_DTYPES, AOT_GEOMETRIES, AOT_WIDTHS, STRIDED_VOLUMES,
@@ -124,6 +124,8 @@ def record(describe: Callable, dtypes: dict | None = None, **given) -> Variant:
                 raise KeyError(f"{describe.__qualname__}: {name!r} is a {kind.dtype!r} tensor; "
                                "give that role's dtype (dtypes)")
             values[name] = ("tensor", dtype)
+        elif isinstance(kind, Address):
+            values[name] = _Size(UNREAD_ADDRESS)
         elif isinstance(kind, Size):
             values[name] = _Size(EXAMPLE_ROWS)
         else:
@@ -213,10 +215,9 @@ def _acc_dtype(dtype: str) -> str:
 def gather_gemm_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
     """The launches of ops.conv.gather_gemm for one dispatched launch: grad-input over the
     forward map reversed (submanifold plans) or the backward map (the others); the forward,
-    whose one binary serves every epilogue (none, bias, BatchNormReLU: a run-time argument),
-    and for 16-bit features also with float32 norms (an fp32 BatchNorm under autocast: a
-    pointer dtype of its own). The output is in the features' dtype, split-K or not (the
-    kernel sums its accumulator-dtype partials)."""
+    whose one binary serves every epilogue (none, bias, BatchNormReLU in either dtype: run-time
+    arguments). The output is in the features' dtype, split-K or not (the kernel sums its
+    accumulator-dtype partials)."""
     from ..ops.conv import launch_gather_gemm
 
     problem, cfg = launch.problem, launch.config
@@ -225,15 +226,10 @@ def gather_gemm_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
     _, k, n = problem.gemm_mkn
     reverses = (True,) * (problem.v in SUBMANIFOLD_VOLUMES) + (False,) * (
         problem.v in STRIDED_VOLUMES) if problem.part == "dgrad" else ()
-    # The norms' dtype: the features' (also the dummies of the launches without the
-    # BatchNormReLU epilogue: ops.conv.gather_gemm), and float32 for 16-bit features
-    # (flexplan.nn fuses eval conv -> BatchNorm -> ReLU blocks: nn/sparse_sequential.py).
-    norms = [feature] + (["float32"] if problem.part == "fwd" and feature in (
-        "float16", "bfloat16") else [])
-    for reverse, norm in itertools.product(reverses or (False,), norms):
-        yield record(launch_gather_gemm, dict(dtypes, norm=norm), k=k, n=n, v=problem.v,
-                     cfg=cfg, masked=problem.algo.startswith("masked"), reverse=reverse,
-                     bn_eps=0.0, dtype=launch.dtype, hip=hip)
+    for reverse in reverses or (False,):
+        yield record(launch_gather_gemm, dtypes, k=k, n=n, v=problem.v, cfg=cfg,
+                     masked=problem.algo.startswith("masked"), reverse=reverse, bn_eps=0.0,
+                     dtype=launch.dtype, hip=hip)
 
 
 def wgrad_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
@@ -311,14 +307,17 @@ def generative_variants() -> Iterator[Variant]:
     """The launches of flexplan.planner.generative_triton (strided and transposed plans; their
     schedules: segment_variants), for the strided and transposed geometries of AOT_GEOMETRIES
     and both key dtypes."""
-    from ..planner import generative_triton as gen
+    from ..planner import generative_triton as gen, segments
 
     for geometry, key_dtype in itertools.product(_strided(), (torch.int32, torch.int64)):
         keys = dict(keys=str(key_dtype).removeprefix("torch."))
         sent, slots = gen.SENTINEL[key_dtype], gen.candidate_slots(geometry)
         yield record(gen.launch_candidates, keys, geometry=geometry, slots=slots, sent=sent)
         yield record(gen.launch_run_starts, keys, sent=sent)
-        for write_fwd in (False, True):  # the bwd map, then the fwd map and output coords
+        # The fwd map and output coordinates; the bwd map only where training builds schedule
+        # it (planner.segments.SCHEDULE_BWD_MAPS, an A/B switch: else it is the fwd map
+        # transposed, below).
+        for write_fwd in (True,) if not segments.SCHEDULE_BWD_MAPS else (False, True):
             yield record(gen.launch_scatter, keys, slots=slots, v=geometry.volume, sent=sent,
                          write_fwd=write_fwd)
     for volume in sorted(STRIDED_VOLUMES):  # an inverse conv's bwd map

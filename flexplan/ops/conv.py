@@ -30,11 +30,12 @@ from ..kernel_configs import (ALGORITHMS, EXPLICIT_WORKSPACE_BYTES, GATHER_GEMM,
                               choose_algo, config_dtype, dispatch_rows, dot_precision,
                               im2col_channel_major_blocks, precision_config, runtime_has_tf32,
                               runtime_is_hip)
-from ..kernels_src.conv_gather_gemm import (EPILOGUE_BIAS, EPILOGUE_BN_RELU, EPILOGUE_NONE,
+from ..kernels_src.conv_gather_gemm import (EPILOGUE_BIAS, EPILOGUE_BN_RELU,
+                                            EPILOGUE_BN_RELU_F32, EPILOGUE_NONE,
                                             conv_gather_gemm_kernel)
 from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
 from ..kernels_src.conv_wgrad import conv_wgrad_kernel
-from ..launch_spec import ACCUMULATOR, FEATURE, INT32, NORM, OUTPUT, SIZE
+from ..launch_spec import ACCUMULATOR, ADDRESS, FEATURE, INT32, OUTPUT, SIZE, UNREAD_ADDRESS
 from ..launcher import cdiv, launch
 from ..plan import MISSING, ConvPlan, GatherMap, kernels_run_on
 from . import torch_fallback
@@ -107,9 +108,9 @@ def gather_gemm_constexprs(cfg: KernelConfig, masked: bool, reverse: bool, dtype
 
 
 # The gather-GEMM's epilogue argument (kernels_src/conv_gather_gemm.py): none, + bias, or an
-# eval BatchNorm and ReLU (BatchNormReLU).
-NO_EPILOGUE, BIAS_EPILOGUE, BN_RELU_EPILOGUE = (EPILOGUE_NONE.value, EPILOGUE_BIAS.value,
-                                                EPILOGUE_BN_RELU.value)
+# eval BatchNorm and ReLU (BatchNormReLU) whose tensors are in the features' dtype or float32.
+NO_EPILOGUE, BIAS_EPILOGUE = EPILOGUE_NONE.value, EPILOGUE_BIAS.value
+BN_RELU_EPILOGUE, BN_RELU_F32_EPILOGUE = EPILOGUE_BN_RELU.value, EPILOGUE_BN_RELU_F32.value
 
 
 @functools.lru_cache(maxsize=1024)
@@ -120,14 +121,15 @@ def wgrad_constexprs(cfg: KernelConfig, dtype: str, hip: bool) -> dict:
 def launch_gather_gemm(run, src: FEATURE, weight: FEATURE, bias: FEATURE, sorted_map_t: INT32,
                        sorted_idx: INT32, chunk_order: INT32, valid_kernel: INT32,
                        valid_kernel_seg: INT32, out: OUTPUT, partials: ACCUMULATOR,
-                       tile_counts: INT32, bn_mean: NORM, bn_var: NORM, bn_weight: NORM,
-                       bn_bias: NORM, bn_eps: float, epilogue: SIZE, m: SIZE, k: int, n: int,
+                       tile_counts: INT32, bn_mean: ADDRESS, bn_var: ADDRESS,
+                       bn_weight: ADDRESS, bn_bias: ADDRESS, bn_eps: float, epilogue: SIZE, m: SIZE, k: int, n: int,
                        v: int, cfg: KernelConfig, masked: bool, reverse: bool, dtype: str,
                        hip: bool) -> None:
     """out[m, n] = sum_v src[map[m, v]] @ W_v, then the epilogue (NO_EPILOGUE, BIAS_EPILOGUE:
-    + bias, BN_RELU_EPILOGUE: the bn_* of a BatchNormReLU), over a map's m rows; weight read
-    as [n, v, k]; partials ([S, m, n]) and tile_counts (one zeroed counter per output tile,
-    split_tile_counts) read only under split-K; what the epilogue does not read: dummies."""
+    + bias, BN_RELU_EPILOGUE / BN_RELU_F32_EPILOGUE: a BatchNormReLU, bn_* the addresses of
+    its tensors), over a map's m rows; weight read as [n, v, k]; partials ([S, m, n]) and
+    tile_counts (one zeroed counter per output tile, split_tile_counts) read only under
+    split-K; what the epilogue does not read: dummies (UNREAD_ADDRESS for an address)."""
     split = cfg.splitk > 1
     run(conv_gather_gemm_kernel, (output_tiles(m, n, cfg), cfg.splitk),
         src, weight, bias, sorted_map_t, sorted_idx, chunk_order, valid_kernel, valid_kernel_seg,
@@ -239,19 +241,22 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
         tile_counts = split_tile_counts(src.device, output_tiles(m, n, cfg))
     else:  # (not read)
         partials, tile_counts = out, gmap.sorted_idx
-    # (tensors the epilogue does not read: dummies of the features' dtype, the binary that
-    # serves all three epilogues)
-    if bn is not None:
+    if bn is not None:  # (its tensors: contiguous, on src's device, one dtype: _bn_in_kernel)
         if bias is not None:  # (one epilogue per launch: the ops never ask for both)
             raise ValueError("gather_gemm: a bias and a BatchNormReLU epilogue together")
-        norm, epilogue = bn, BN_RELU_EPILOGUE
+        norm = (bn.mean.data_ptr(), bn.var.data_ptr(), bn.weight.data_ptr(),
+                bn.bias.data_ptr(), bn.eps)
+        epilogue = BN_RELU_EPILOGUE if bn.mean.dtype == src.dtype else BN_RELU_F32_EPILOGUE
     else:
-        norm = (w_nvk, w_nvk, w_nvk, w_nvk, 0.0)
-        epilogue = NO_EPILOGUE if bias is None else BIAS_EPILOGUE
+        norm, epilogue = _NO_NORM, (NO_EPILOGUE if bias is None else BIAS_EPILOGUE)
     launch_gather_gemm(launch, src, w_nvk, bias if bias is not None else w_nvk, map_t,
                        gmap.sorted_idx, chunks, valid_kernel, valid_kernel_seg, out, partials,
                        tile_counts, *norm, epilogue, m, k, n, v, cfg, masked, reverse, dtype, hip)
     return out
+
+
+# (a launch without the BatchNormReLU: its addresses not read)
+_NO_NORM = (UNREAD_ADDRESS,) * 4 + (0.0,)
 
 
 # The multiply-adds (rows x offsets x Ci x Co) from which a convolution over a map without a

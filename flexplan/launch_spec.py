@@ -20,7 +20,8 @@ call fewer than launcher.cdiv; see the host-cost note in ops/conv.py).
 
 What a kernel specializes an int or pointer on is not described here: its decorator says it
 (`do_not_specialize`), read by the launcher and the build alike. The kinds only tell the build
-which example to pass: a tensor's dtype, or SIZE for an int that any example stands for.
+which example to pass: a tensor's dtype, SIZE for an int that any example stands for, or
+ADDRESS for a device address passed as an int (64-bit).
 
 This module imports nothing: value modules (plan.py) and the planner may use it.
 """

@@ -351,7 +351,7 @@ class ConvPlan:
     out_coords: int32 [N_out, 4]; for submanifold convolutions the input coords themselves.
     for_training: False for a plan built for inference (no gradient will be taken): it has no
           valid_signal pairs (empty, S = 0) and, strided or transposed, no bwd map (bwd None):
-          those cost a third to a half of a build and only backward reads them.
+          only backward reads them.
     maps_only (derived): a strided (not transposed) inference plan whose fwd map has no masked
           schedule (rows in their own order, planner.segments.unscheduled_map): what a pool
           reads (its windows), without the schedule's sort and launches. A convolution over

@@ -76,7 +76,7 @@ def transposed_map(gmap: GatherMap, num_in: int) -> torch.Tensor:
 
 def masked_schedule(gmap: GatherMap) -> GatherMap:
     """The map with the masked kernels' schedule (rows in Gray order, each block's offsets),
-    for a map built without one (ConvPlan.schedule_deferred, an inverse conv's map) that a
+    for a map built without one (ConvPlan.schedule_deferred, a bwd map) that a
     convolution big enough to repay the schedule runs over (ops.conv.SCHEDULE_WORK_MIN).
     Derived on first use (no host sync) and kept with the map object, like sorted_map_t; None
     during a CUDA graph capture (the sort replays a graph of its own: no schedule made there)."""
@@ -93,7 +93,8 @@ def masked_schedule(gmap: GatherMap) -> GatherMap:
 def full_schedule(gmap: GatherMap) -> GatherMap:
     """The map with the schedule in which every block of rows runs every offset, rows in their
     own order: what the masked kernels run over a map built without a schedule (a first
-    sighting's submanifold inference map, an inverse conv's), doing an implicit kernel's work
+    sighting's submanifold inference map, a bwd map: planner.segments.SCHEDULE_BWD_MAPS),
+    doing an implicit kernel's work
     with the masked kernels' variants (the ones AOT bundles hold and tables tune). No sort, no
     launch: views of per-device constants. Kept with the map object, like sorted_map_t."""
     view = gmap.derived_views.get("full_schedule")

@@ -33,7 +33,8 @@ import triton.language as tl  # noqa: E402
 from flexplan.kernel_configs import heuristic_config, runtime_is_hip  # noqa: E402
 from flexplan.kernels_src.conv_gather_gemm import conv_gather_gemm_kernel  # noqa: E402
 from flexplan.kernels_src.conv_wgrad import conv_wgrad_kernel  # noqa: E402
-from flexplan.ops.conv import (dgrad_map, gather_gemm_constexprs,  # noqa: E402
+from flexplan.launch_spec import UNREAD_ADDRESS  # noqa: E402
+from flexplan.ops.conv import (NO_EPILOGUE, dgrad_map, gather_gemm_constexprs,  # noqa: E402
                                split_tile_counts, wgrad_constexprs)
 from flexplan.tuning import dispatch  # noqa: E402
 from flexplan.tuning.buckets import Bucket  # noqa: E402
@@ -58,18 +59,20 @@ AUTOTUNE_PROBLEMS = ((256, 64, "float16", "fwd"), (128, 512, "tf32", "dgrad"),
 
 # @triton.autotune needs the split count in the config: these wrappers take it as an extra
 # constexpr (SPLITS, read by the grid) and run the very same kernel.
-@triton.jit
+# (the epilogue and the BatchNorm's addresses run-time arguments, as the ops' launches pass them)
+@triton.jit(do_not_specialize=["bn_mean_addr", "bn_var_addr", "bn_weight_addr", "bn_bias_addr",
+                               "epilogue"])
 def gather_gemm_splits(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr,
                        valid_kernel_ptr, valid_kernel_seg_ptr, out_ptr, partials_ptr,
-                       tile_counts_ptr, M, K, N, V,
+                       tile_counts_ptr, bn_mean_addr, bn_var_addr, bn_weight_addr, bn_bias_addr,
+                       bn_eps, epilogue, M, K, N, V,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT: tl.constexpr, MASKED: tl.constexpr, REVERSE_V: tl.constexpr,
                        PRECISION: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr):
-    # (no epilogue: the bias and norm pointers are dummies, as the ops pass them)
     conv_gather_gemm_kernel(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr,
                             valid_kernel_ptr, valid_kernel_seg_ptr, out_ptr, partials_ptr,
-                            tile_counts_ptr, bias_ptr, bias_ptr, bias_ptr, bias_ptr, 0.0, 0,
-                            M, K, N, V,
+                            tile_counts_ptr, bn_mean_addr, bn_var_addr, bn_weight_addr,
+                            bn_bias_addr, bn_eps, epilogue, M, K, N, V,
                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT,
                             MASKED=MASKED, REVERSE_V=REVERSE_V, PRECISION=PRECISION, CHUNK=CHUNK)
 
@@ -135,8 +138,9 @@ def wrapper_launch(work, part, max_splits):
             bm = nargs["BLOCK_M"]
             vk[:gmap.valid_kernel[bm].numel()].copy_(gmap.valid_kernel[bm])
             seg[:gmap.valid_kernel_seg[bm].numel()].copy_(gmap.valid_kernel_seg[bm])
+    # (no epilogue: bias and BatchNorm not read)
     args = (src, w_nvk, w_nvk, sorted_map_t(gmap), gmap.sorted_idx, chunk_order(gmap), vk, seg,
-            out, dest, counts, m, k, n, v)
+            out, dest, counts, *[UNREAD_ADDRESS] * 4, 0.0, NO_EPILOGUE, m, k, n, v)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])

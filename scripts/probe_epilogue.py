@@ -2,7 +2,7 @@
 features' dtype and in float32), on a LiDAR level's submanifold plan: for A/B runs of the
 kernel's epilogue between two checkouts (run each with PYTHONPATH pointing at it).
 
-Usage (GPU): python3 scripts/probe_epilogue.py [--reps 200] [--dtype float16]
+Usage (GPU): python3 scripts/probe_epilogue.py [--reps 50] [--dtype float16]
 Prints one line per (channels, epilogue): median microseconds per launch (a CUDA graph of
 --reps launches replayed between CUDA events), the same plan and inputs for every row.
 """

@@ -56,7 +56,8 @@ def inputs(gen, device, dtype=torch.float64, channels=5, rows=150):
 
 @pytest.fixture
 def fused_launches(monkeypatch):
-    """The gather-GEMM launches that carried the epilogue (BN_RELU_EPILOGUE), counted."""
+    """The gather-GEMM launches that carried the BatchNormReLU epilogue: their epilogue codes
+    (BN_RELU_EPILOGUE, or BN_RELU_F32_EPILOGUE for float32 norms under 16-bit features)."""
     seen = []
     real = launcher.launch
 
@@ -64,7 +65,7 @@ def fused_launches(monkeypatch):
         if kernel is conv_ops.conv_gather_gemm_kernel and args[16] in (
                 conv_ops.BN_RELU_EPILOGUE, conv_ops.BN_RELU_F32_EPILOGUE):
             assert type(args[15]) is float  # eps: fp32 whatever the BatchNorm holds
-            seen.append(constexprs)
+            seen.append(args[16])
         return real(kernel, grid, *args, **constexprs)
 
     monkeypatch.setattr(conv_ops, "launch", spy)
@@ -108,7 +109,7 @@ def test_fused_blocks_against_float64(dtype, device, fused_launches):
         got = low(x())
     # Each block one launch with the epilogue (float64: torch's ops after the conv, the
     # kernel's eps being a float32).
-    assert len(fused_launches) == (0 if dtype == torch.float64 else 3)
+    assert fused_launches == ([] if dtype == torch.float64 else [conv_ops.BN_RELU_EPILOGUE] * 3)
     assert got.features.dtype == dtype and torch.equal(got.indices, want.indices)
     assert (want.features == 0).any() and (want.features > 0).any()  # the ReLU bites
     tol = TOL[dtype]
@@ -132,7 +133,7 @@ def test_autocast_with_float32_batchnorm(dtype, device, fused_launches):
     x = lambda: spconv.SparseConvTensor(x64().features.float(), x64().indices, SHAPE, 2)  # noqa: E731
     with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
         got = net(x())
-    assert len(fused_launches) == 3
+    assert fused_launches == [conv_ops.BN_RELU_F32_EPILOGUE] * 3
     assert got.features.dtype == dtype
     torch.testing.assert_close(got.features.double(), want.features, rtol=TOL[dtype],
                                atol=TOL[dtype])
@@ -172,6 +173,16 @@ def test_op_epilogue_and_its_gradients(device, fused_launches):
         else:
             torch.testing.assert_close(
                 sparse_conv(feats.float(), plan, weight.float(), bn_relu=norm), expected)
+    assert len(fused_launches) == 1
+    # gather_gemm itself (the tuner's entry) judges the epilogue it is given: with a conv bias
+    # torch's ops after the kernel, as the op does
+    with torch.no_grad():
+        f32, w32 = feats.float(), weight.float().reshape(6, 27, 4)
+        bias = torch.randn(6, generator=gen).to(device)
+        biased = conv_ops.gather_gemm(f32, w32, bias, plan.fwd, False, "fwd", "masked", False)
+        got_b = conv_ops.gather_gemm(f32, w32, bias, plan.fwd, False, "fwd", "masked", False,
+                                     norm32)
+    torch.testing.assert_close(got_b, conv_ops.bn_relu_torch(biased, norm32))
     assert len(fused_launches) == 1
 
     f, w = feats.clone().requires_grad_(), weight.clone().requires_grad_()

@@ -252,9 +252,10 @@ def test_inverse_conv_makes_an_inference_plans_bwd_map_once(device, monkeypatch)
 def test_inference_inverse_conv_over_an_unscheduled_map(device, monkeypatch, tmp_path,
                                                         schedule, algo):
     """An inference plan's inverse conv reads a bwd map made without the masked schedule
-    (planner.segments.SCHEDULE_BWD_MAPS False, the default): the implicit kernel then
-    runs, whatever masked algorithm was asked, and gives the training plan's result; with the
-    schedule (True) as before. A refined plan holding such a map saves and loads."""
+    (planner.segments.SCHEDULE_BWD_MAPS False, the default): the masked kernels then run
+    every offset of every block, whatever masked algorithm was asked, and give the explicit
+    GEMMs' result over the training plan (whose bwd map is unscheduled too); with the schedule
+    (True) as before. A refined plan holding such a map saves and loads."""
     import flexplan.nn.spconv as spconv
     from flexplan import cached_plan, load_plans, save_plans
     from flexplan.planner import segments
@@ -276,6 +277,8 @@ def test_inference_inverse_conv_over_an_unscheduled_map(device, monkeypatch, tmp
         out = net[1](x).features
         inverse = x.find_indice_pair("q").inverse_plan
     assert bool(inverse.fwd.block_sizes) == schedule
+    for layer in net:  # (the reference: im2col GEMMs over the maps, no schedule read)
+        layer.algo = "explicit"
     ref = net(spconv.SparseConvTensor(feats, coords, (9, 8, 7), 2)).features  # a training plan
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     # the cache now hands out the paired plan with the bwd map its inverse made

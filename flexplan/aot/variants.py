@@ -320,8 +320,9 @@ def generative_variants() -> Iterator[Variant]:
         for write_fwd in (True,) if not segments.SCHEDULE_BWD_MAPS else (False, True):
             yield record(gen.launch_scatter, keys, slots=slots, v=geometry.volume, sent=sent,
                          write_fwd=write_fwd)
-    for volume in sorted(STRIDED_VOLUMES):  # an inverse conv's bwd map
-        for map_t in (False, True):  # (True: an inference plan's inverse map)
+    for volume in sorted(STRIDED_VOLUMES):  # a bwd map made from the fwd map
+        # (True: with its gather layout, a training build's and an inverse conv's over an
+        # inference plan; False: the pool backward's view, a scheduled inverse map)
             yield record(gen.launch_transpose_map, v=volume, map_t=map_t)
 
 

@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import NamedTuple, Optional
 
 import torch
+from triton.runtime.jit import JITFunction
 
 from .. import plan_tokens, plan_views
 from ..compile_boundary import opaque
@@ -217,10 +218,14 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     if algo == "explicit":
         out = _explicit_gather_gemm(src, weight, bias, gmap.neighbor_map, reverse, part)
         return out if bn is None else bn_relu_torch(out, bn)
+    if bn is not None and not _bn_in_kernel(bn, src, bias):
+        # (tensors the kernel does not read: the epilogue in torch ops after the kernel)
+        return bn_relu_torch(gather_gemm(src, weight, bias, gmap, reverse, part, algo,
+                                         allow_tf32), bn)
     if not gmap.valid_kernel and algo.startswith("masked"):
-        # A map without a schedule (a first sighting's submanifold inference map, an inference
-        # plan's inverse): a big convolution schedules it, a small one runs every offset of
-        # every block (both kept with the map).
+        # A map without a schedule (a first sighting's submanifold inference map, an inverse
+        # conv's map, a strided training plan's bwd map): a big convolution schedules it, a
+        # small one runs every offset of every block (both kept with the map).
         scheduled = masked_schedule_for(gmap, m * v * k * n)
         if scheduled is not None:
             gmap = scheduled
@@ -242,8 +247,6 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     else:  # (not read)
         partials, tile_counts = out, gmap.sorted_idx
     if bn is not None:  # (its tensors: contiguous, on src's device, one dtype: _bn_in_kernel)
-        if bias is not None:  # (one epilogue per launch: the ops never ask for both)
-            raise ValueError("gather_gemm: a bias and a BatchNormReLU epilogue together")
         norm = (bn.mean.data_ptr(), bn.var.data_ptr(), bn.weight.data_ptr(),
                 bn.bias.data_ptr(), bn.eps)
         epilogue = BN_RELU_EPILOGUE if bn.mean.dtype == src.dtype else BN_RELU_F32_EPILOGUE
@@ -595,14 +598,22 @@ def _check_bn(bn: BatchNormReLU, channels: int, device: torch.device) -> BatchNo
     return bn if type(bn.eps) is float else bn._replace(eps=float(bn.eps))
 
 
-def _bn_in_kernel(bn: BatchNormReLU, dtype: torch.dtype, bias) -> bool:
-    """Whether the kernel applies bn (the variants AOT bundles hold): no conv bias, one dtype
-    for bn's tensors, the features' or float32, each contiguous; not for float64 features (the
-    kernel gets eps as a float32: float64 would lose its precision there)."""
-    t = bn.mean
+def _bn_in_kernel(bn: BatchNormReLU, src: torch.Tensor, bias) -> bool:
+    """Whether the kernel applies bn to a launch over src (what gather_gemm's epilogue reads:
+    the addresses of bn's tensors): no conv bias, one dtype for bn's tensors, the features' or
+    float32, each contiguous and on src's device; not for float64 features (the kernel gets eps
+    as a float32: float64 would lose its precision there); not where the interpreter runs the
+    kernel over copies of CUDA tensors (the addresses name device memory)."""
+    t, dtype, device = bn.mean, src.dtype, src.device
     return (bias is None and dtype != torch.float64 and t.dtype in (dtype, torch.float32)
             and bn.eps > 0  # (torch's batch norm judges any other: some versions refuse 0)
-            and all(x.dtype == t.dtype and x.is_contiguous() for x in bn[:4]))
+            and all(x.dtype == t.dtype and x.is_contiguous() and x.device == device
+                    for x in bn[:4])
+            and (_COMPILED_KERNELS or device.type == "cpu"))
+
+
+# Whether kernels run compiled (else TRITON_INTERPRET=1: the interpreter, over host copies).
+_COMPILED_KERNELS = isinstance(conv_gather_gemm_kernel, JITFunction)
 
 
 @opaque
@@ -622,10 +633,9 @@ def _eager_sparse_conv(feats, plan, weight, bias, algo, allow_tf32, bn=None):
         feats.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
     if bn is not None:
         bn = _check_bn(bn, co, feats.device)
-        if differentiable or (torch.is_grad_enabled() and any(t.requires_grad for t in bn[:4])
-                              ) or not _bn_in_kernel(bn, feats.dtype, bias):
-            # Something to differentiate, or tensors the kernel does not read: the epilogue
-            # in torch ops after the convolution.
+        if differentiable or (torch.is_grad_enabled() and any(t.requires_grad for t in bn[:4])):
+            # Something to differentiate: the epilogue in torch ops after the convolution
+            # (gather_gemm does the same for tensors its kernel does not read).
             return bn_relu_torch(_eager_sparse_conv(feats, plan, weight, bias, algo,
                                                     allow_tf32), bn)
     device_type = feats.device.type

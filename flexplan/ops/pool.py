@@ -110,8 +110,8 @@ def backward_map(plan: ConvPlan) -> torch.Tensor:
     map serves as is (its window is symmetric, and the pool's backward sums over the whole set);
     a strided training plan has it (its bwd map); an inference plan's is derived from its fwd
     map on first use (plan_views.transposed_map: one launch, kept with the plan), so a pool
-    that trains needs only an inference plan, a third to a half cheaper to build than a
-    training plan on new coordinates (no bwd schedule, no pairs; scripts/results/bench_pool.md)."""
+    that trains needs only an inference plan, cheaper to build than a training plan on new
+    coordinates (no pairs, no bwd map; scripts/results/bench_pool.md)."""
     if plan.geometry.submanifold:
         return plan.fwd.neighbor_map.contiguous()
     if plan.bwd is not None:

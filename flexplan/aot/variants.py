@@ -323,6 +323,7 @@ def generative_variants() -> Iterator[Variant]:
     for volume in sorted(STRIDED_VOLUMES):  # a bwd map made from the fwd map
         # (True: with its gather layout, a training build's and an inverse conv's over an
         # inference plan; False: the pool backward's view, a scheduled inverse map)
+        for map_t in (False, True):
             yield record(gen.launch_transpose_map, v=volume, map_t=map_t)
 
 

@@ -94,9 +94,9 @@ def full_schedule(gmap: GatherMap) -> GatherMap:
     """The map with the schedule in which every block of rows runs every offset, rows in their
     own order: what the masked kernels run over a map built without a schedule (a first
     sighting's submanifold inference map, a bwd map: planner.segments.SCHEDULE_BWD_MAPS),
-    doing an implicit kernel's work
-    with the masked kernels' variants (the ones AOT bundles hold and tables tune). No sort, no
-    launch: views of per-device constants. Kept with the map object, like sorted_map_t."""
+    doing an implicit kernel's work with the masked kernels' variants (the ones AOT bundles
+    hold and tables tune). No sort, no launch: views of per-device constants. Kept with the map
+    object, like sorted_map_t."""
     view = gmap.derived_views.get("full_schedule")
     if view is not None:
         return view

@@ -123,9 +123,9 @@ def launch_gather_gemm(run, src: FEATURE, weight: FEATURE, bias: FEATURE, sorted
                        sorted_idx: INT32, chunk_order: INT32, valid_kernel: INT32,
                        valid_kernel_seg: INT32, out: OUTPUT, partials: ACCUMULATOR,
                        tile_counts: INT32, bn_mean: ADDRESS, bn_var: ADDRESS,
-                       bn_weight: ADDRESS, bn_bias: ADDRESS, bn_eps: float, epilogue: SIZE, m: SIZE, k: int, n: int,
-                       v: int, cfg: KernelConfig, masked: bool, reverse: bool, dtype: str,
-                       hip: bool) -> None:
+                       bn_weight: ADDRESS, bn_bias: ADDRESS, bn_eps: float, epilogue: SIZE,
+                       m: SIZE, k: int, n: int, v: int, cfg: KernelConfig, masked: bool,
+                       reverse: bool, dtype: str, hip: bool) -> None:
     """out[m, n] = sum_v src[map[m, v]] @ W_v, then the epilogue (NO_EPILOGUE, BIAS_EPILOGUE:
     + bias, BN_RELU_EPILOGUE / BN_RELU_F32_EPILOGUE: a BatchNormReLU, bn_* the addresses of
     its tensors), over a map's m rows; weight read as [n, v, k]; partials ([S, m, n]) and

@@ -18,10 +18,10 @@ from ..compile_boundary import opaque
 from ..device_guard import on_device_of
 from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
-from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
+from ..plan import MISSING, ConvPlan, signal_fields
 from .keys import pack_coords, unpack_keys
 from .offsets import kernel_offsets
-from .generative_triton import transposed_map_and_t_triton, transposed_map_triton
+from .generative_triton import transposed_gather_map, transposed_map_triton
 from . import segments
 from .segments import gather_map, plan_schedule, unscheduled_map
 
@@ -132,19 +132,14 @@ def bwd_from_fwd(plan: ConvPlan) -> ConvPlan:
     plan keeps no pairs)."""
     fwd = plan.fwd.neighbor_map
     with on_device_of(fwd):  # (its launches: on the plan's GPU)
-        scheduled = segments.SCHEDULE_BWD_MAPS and not plan.maps_only  # (a maps-only plan stays one)
+        # (a maps-only plan stays one)
+        scheduled = segments.SCHEDULE_BWD_MAPS and not plan.maps_only
         if fwd.is_cuda and not scheduled:  # (a scheduled map gets its layout from the schedule)
-            bwd, bwd_t = transposed_map_and_t_triton(fwd, plan.num_in)
-        elif fwd.is_cuda:
-            bwd, bwd_t = transposed_map_triton(fwd, plan.num_in), None
+            bwd_map = transposed_gather_map(fwd, plan.num_in)
         else:
-            bwd, bwd_t = transposed_map_torch(fwd, plan.num_in), None
-        if scheduled:
-            bwd_map, _, _ = plan_schedule(bwd, PLAN_BLOCK_SIZES, signal_offsets=0, pairs_total=0)
-        else:
-            bwd_map = unscheduled_map(bwd)
-            if bwd_t is not None:  # (its rows in their own order: the transpose is its view)
-                bwd_map = with_sorted_map_t(bwd_map, bwd_t)
+            bwd = (transposed_map_triton if fwd.is_cuda else transposed_map_torch)(fwd, plan.num_in)
+            bwd_map = (plan_schedule(bwd, PLAN_BLOCK_SIZES, signal_offsets=0, pairs_total=0)[0]
+                       if scheduled else unscheduled_map(bwd))
     return replace(plan, bwd=bwd_map)
 
 

@@ -18,8 +18,8 @@ pairs grouped by tap. (The order of equal keys after the sort does not matter: e
 writes its own map entry, and an output row's coordinates are its key.)
 
 All readbacks share one int64 buffer, filled with -1 once: the totals, the bwd schedule's
-state (if any), room for the fwd schedule's (whose rows are not known until the sync), the run starts'
-scan state.
+state (if any), room for the fwd schedule's (whose rows are not known until the sync), the run
+starts' scan state.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..kernels_src import plan_generative as kernels
 from ..launch_spec import INT32, INT64, KEYS, SIZE
 from ..launcher import launch
-from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
+from ..plan import MISSING, ConvPlan, GatherMap, signal_fields, with_sorted_map_t
 from .keys import key_dtype
 from .rank_sort import CANDIDATES, rank_sorter
 from . import segments
@@ -164,9 +164,8 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
             launch_scatter(launch, *scatter, fwd, fwd, out_coords, total, n, *out_shape, slots,
                            v, sent, True)
     del scatter, sorted_keys, order, rank, taps
-    if training and not schedule_bwd:  # (its rows in their own order: bwd_t is its layout)
-        bwd, bwd_t = transposed_map_and_t_triton(fwd, n)
-        bwd_map = with_sorted_map_t(unscheduled_map(bwd), bwd_t)
+    if training and not schedule_bwd:
+        bwd_map = transposed_gather_map(fwd, n)
     if maps_only and not training:  # (its fwd slots of the readback stay unread)
         fwd_map, signal = unscheduled_map(fwd), None
     else:
@@ -185,6 +184,13 @@ def transposed_map_triton(fwd: torch.Tensor, num_in: int) -> torch.Tensor:
     if m:
         launch_transpose_map(launch, fwd.contiguous(), bwd, bwd, m * v, num_in, v, False)
     return bwd
+
+
+def transposed_gather_map(fwd: torch.Tensor, num_in: int) -> GatherMap:
+    """The bwd map of a fwd map [M, V] as a gather map with no schedule, its rows in their own
+    order and its gather layout made with it (transposed_map_and_t_triton: one launch)."""
+    bwd, bwd_t = transposed_map_and_t_triton(fwd, num_in)
+    return with_sorted_map_t(unscheduled_map(bwd), bwd_t)
 
 
 def transposed_map_and_t_triton(fwd: torch.Tensor, num_in: int

@@ -30,6 +30,9 @@ from .aot import direct, runtime
 from .aot.launch_abi import mirrors_triton_launcher
 
 AOT_ENV = "FLEXPLAN_AOT"
+# Repeated launches hand the launcher each tensor's address instead of the tensor (_call_class
+# says why). False: the tensors, as before (for A/B runs, scripts/bench_precision.py).
+TENSORS_AS_ADDRESSES = True
 
 # (id(kernel), device, argument classes, constexprs) -> (how the binary launches, the values of
 # the constexpr parameters: launchers take every parameter, in order). Kernels are module-level
@@ -120,13 +123,28 @@ def arg_specialization(kernel) -> tuple[int, ...]:
 
 
 def _call_key(kernel, device: int, args: tuple, constexprs: dict):
-    """The call's class, what Triton specializes each runtime argument on or more, as one flat
-    tuple (built inline: this runs on every launch); None for arguments of other types.
+    """The call's class (see _call_class), None for arguments of other types."""
+    return _call_class(kernel, device, args, constexprs)[0]
+
+
+def _call_class(kernel, device: int, args: tuple, constexprs: dict) -> tuple:
+    """(class, addressed): the call's class, what Triton specializes each runtime argument on
+    or more, as one flat tuple (built inline: this runs on every launch), or None for arguments
+    of other types; and the arguments with every tensor replaced by its address when all of
+    them are CUDA (ROCm) tensors, else the arguments as given.
     A tensor adds its dtype and, where specialized, its 16-byte alignment (and on ROCm whether
     its storage fits 2 GiB); an int one code for == 1, divisible by 16 (where specialized) and
-    its width (never 0 or 1, which a bool argument adds: its value); a float the code 16."""
+    its width (never 0 or 1, which a bool argument adds: its value); a float the code 16.
+    Why addresses: Triton's launchers take an int for a pointer argument as it is, whereas for
+    a tensor they call its data_ptr method and ask the driver to check the address
+    (cuPointerGetAttribute), per tensor and launch, host time the key's own data_ptr call
+    already paid (measurements: scripts/results/host_costs.md, session 42). Tensors off the GPU
+    keep their tensors: Triton's check then raises its error."""
     key = [id(kernel), device]
     append = key.append
+    addressed = []
+    put = addressed.append
+    on_gpu = True
     known = _arg_specs.get(id(kernel))
     for arg, how in zip(args, known[1] if known is not None else arg_specialization(kernel)):
         kind = type(arg)
@@ -136,20 +154,26 @@ def _call_key(kernel, device: int, args: tuple, constexprs: dict):
             else:
                 append((10 if -2**31 <= arg < 2**31 else 12 if -2**63 <= arg < 2**63 else 14)
                        + (how == SPECIALIZED and arg & 15 == 0))
+            put(arg)
         elif kind is Tensor or isinstance(arg, Tensor):
+            address = arg.data_ptr()
             append(arg.dtype)
             if how == SPECIALIZED:
-                append(arg.data_ptr() & 15)
+                append(address & 15)
             if _HIP and how != NOT_SPECIALIZED:
                 append(arg.untyped_storage().nbytes() <= _MAX_BUFFER_BYTES)
+            on_gpu = on_gpu and arg.is_cuda
+            put(address)
         elif kind is bool:
             append(arg)
+            put(arg)
         elif kind is float:  # fp32 to every Triton, never specialized on its value
             append(16)
+            put(arg)
         else:
-            return None
+            return None, args
     key.extend(constexprs.items())
-    return tuple(key)
+    return tuple(key), (tuple(addressed) if on_gpu else args)
 
 
 def _triton_run(compiled):
@@ -204,14 +228,16 @@ def launch(kernel, grid, *args, **constexprs):
             kernel[grid](*args, **constexprs)
         return
     device = torch._C._cuda_getDevice()  # CUDA is initialized: the arguments are CUDA tensors
-    key = None if callable(grid) else _call_key(kernel, device, args, constexprs)
+    key, addressed = (None, args) if callable(grid) else _call_class(kernel, device, args,
+                                                                     constexprs)
     try:
         call = _calls.get(key) if key is not None else None
     except TypeError:  # an unhashable constexpr: resolve every time
         key = call = None
     if call is not None and not direct.triton_hooks_set(kernel):
         run, tail = call
-        run(grid, direct.current_stream(device), args + tail)
+        run(grid, direct.current_stream(device),
+            (addressed if TENSORS_AS_ADDRESSES else args) + tail)
         return
     run = _resolve_and_launch(kernel, grid, args, constexprs)
     if key is not None and run is not None:

@@ -65,6 +65,10 @@ VARIANTS = {"flexplan-fused": {"fuse": True},
             # at best leave of the Python op's host time; its outputs are zeros)
             "flexplan-floor-conv": {"settings": (
                 ("flexplan.nn.spconv_layers", "sparse_conv", lambda *a, **k: _floor_conv(*a, **k)),)},
+            # launches hand Triton's launcher the tensors themselves (it calls data_ptr and
+            # asks the driver about each address), as before session 42
+            "flexplan-tensor-args": {"settings": (
+                ("flexplan.launcher", "TENSORS_AS_ADDRESSES", False),)},
             "flexplan-no-graph-ops": {"settings": (
                 ("flexplan.plan", "_register_token", lambda plan: None),
                 ("flexplan.nn.spconv_layers", "sparse_conv",
@@ -96,6 +100,8 @@ VARIANT_RATIOS = {
                                 ("flexplan-unfused-blocks", "fp16"), ("flexplan", "fp16")),
     "flexplan-floor-conv": ("flexplan with a floor conv op / flexplan fp16",
                             ("flexplan-floor-conv", "fp16"), ("flexplan", "fp16")),
+    "flexplan-tensor-args": ("flexplan tensor args / flexplan fp16",
+                             ("flexplan-tensor-args", "fp16"), ("flexplan", "fp16")),
     "flexplan-no-graph-ops": ("flexplan without graph-op costs / flexplan fp16",
                               ("flexplan-no-graph-ops", "fp16"), ("flexplan", "fp16")),
 }

@@ -43,6 +43,18 @@ def test_call_classes_separate_what_triton_specializes_on():
     assert cls(0.5) == cls(1e-3) != cls(1) and cls("x") is None  # floats: fp32, any value
 
 
+def test_call_class_keeps_tensors_off_the_gpu():
+    """Arguments go to Triton's launcher as addresses only when every tensor is a GPU tensor:
+    a CPU tensor stays a tensor (Triton's launcher then raises its own error, not a kernel
+    reading a host address). The class is the same either way."""
+    t = torch.zeros(8)
+    kernel = JITFunction(_add_one)
+    args = (t, t, 8, 2.0)
+    key, addressed = launcher._call_class(kernel, 0, args, {"BLOCK": 8})
+    assert addressed is args and key == launcher._call_key(kernel, 0, args, {"BLOCK": 8})
+    assert launcher._call_class(kernel, 0, (t, "x", 8, 2.0), {}) == (None, (t, "x", 8, 2.0))
+
+
 @pytest.mark.parametrize("option", ["do_not_specialize", "do_not_specialize_on_alignment"])
 def test_call_classes_leave_out_what_the_decorator_does_not_specialize(option):
     """As Triton (3.6 and 3.9): do_not_specialize keeps an int's width and a tensor's dtype only;
@@ -130,6 +142,9 @@ def test_repeated_launches_of_every_class_compute_the_right_thing():
             launcher.launch(kernel, (triton.cdiv(n, 128),), src, dst, n, scale, BLOCK=128,
                             TWICE=twice)
             torch.testing.assert_close(dst, src * scale + 1 + twice)
+    src = base[1:]
+    key, addressed = launcher._call_class(kernel, 0, (src, src, 999, 2.0), {"BLOCK": 128})
+    assert addressed == (src.data_ptr(), src.data_ptr(), 999, 2.0)  # what the launcher gets
     # One class per call above (alignment, the size's class, TWICE); a float scale any value.
     assert len([key for key in launcher._calls if key[0] == id(kernel)]) == 4
     launcher.launch(kernel, (8,), base, base.clone(), 1000, 1, BLOCK=128)  # an int scale

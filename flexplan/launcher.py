@@ -33,6 +33,9 @@ AOT_ENV = "FLEXPLAN_AOT"
 # Repeated launches hand the launcher each tensor's address instead of the tensor (_call_class
 # says why). False: the tensors, as before (for A/B runs, scripts/bench_precision.py).
 TENSORS_AS_ADDRESSES = True
+# Classes of calls by functions generated per kernel (_class_function). False: argument by
+# argument, as before (for A/B runs, scripts/bench_precision.py).
+GENERATED_CLASSES = True
 
 # (id(kernel), device, argument classes, constexprs) -> (how the binary launches, the values of
 # the constexpr parameters: launchers take every parameter, in order). Kernels are module-level
@@ -129,9 +132,10 @@ def _call_key(kernel, device: int, args: tuple, constexprs: dict):
 
 def _call_class(kernel, device: int, args: tuple, constexprs: dict) -> tuple:
     """(class, addressed): the call's class, what Triton specializes each runtime argument on
-    or more, as one flat tuple (built inline: this runs on every launch), or None for arguments
-    of other types; and the arguments with every tensor replaced by its address when all of
-    them are CUDA (ROCm) tensors, else the arguments as given.
+    or more, as one flat tuple, or None for arguments of other types; and the arguments with
+    every tensor replaced by its address when all of them are CUDA (ROCm) tensors, else the
+    arguments as given. This runs on every launch: by a function generated per kernel and
+    argument count (_class_function), else argument by argument (_generic_call_class).
     A tensor adds its dtype and, where specialized, its 16-byte alignment (and on ROCm whether
     its storage fits 2 GiB); an int one code for == 1, divisible by 16 (where specialized) and
     its width (never 0 or 1, which a bool argument adds: its value); a float the code 16.
@@ -140,6 +144,23 @@ def _call_class(kernel, device: int, args: tuple, constexprs: dict) -> tuple:
     (cuPointerGetAttribute), per tensor and launch, host time the key's own data_ptr call
     already paid (measurements: scripts/results/host_costs.md, session 42). Tensors off the GPU
     keep their tensors: Triton's check then raises its error."""
+    if GENERATED_CLASSES:
+        entry = _class_fns.get((id(kernel), len(args)))
+        if entry is None or entry[0] is not kernel:
+            entry = _class_fns[(id(kernel), len(args))] = kernel, _class_function(kernel, args)
+        if entry[1] is not None:
+            try:
+                found = entry[1](args, device, constexprs)
+            except (AttributeError, TypeError):  # a tensor's place holds something else
+                found = None
+            if found is not None:
+                return found
+    return _generic_call_class(kernel, device, args, constexprs)
+
+
+def _generic_call_class(kernel, device: int, args: tuple, constexprs: dict) -> tuple:
+    """_call_class for any arguments, one at a time: the definition the generated functions
+    (_class_function) follow, and what calls they do not fit take."""
     key = [id(kernel), device]
     append = key.append
     addressed = []
@@ -174,6 +195,62 @@ def _call_class(kernel, device: int, args: tuple, constexprs: dict) -> tuple:
             return None, args
     key.extend(constexprs.items())
     return tuple(key), (tuple(addressed) if on_gpu else args)
+
+
+# (id(kernel), number of arguments) -> (kernel, its generated _call_class or None); the kernel
+# held, so that its id stays its own.
+_class_fns: dict = {}
+# An int's width code, as _generic_call_class writes it (Python source for the generated code).
+_WIDTH = ("(10 if -2147483648 <= {a} < 2147483648 else 12 if -9223372036854775808 <= {a} < "
+          "9223372036854775808 else 14)")
+
+
+def _class_function(kernel, args: tuple):
+    """_generic_call_class unrolled for calls whose arguments are of the kinds of `args`, place
+    by place (tensor, int, bool or float), as Python source compiled once: no per-argument loop
+    or type dispatch (the class of a 20-argument launch in about half the time). The function
+    returns None where a call's kinds differ (its ints, bools and floats are checked; a tensor's
+    place raises AttributeError), and the caller takes the generic path. None: the arguments
+    hold another kind."""
+    spec = arg_specialization(kernel)
+    guards, lines, key, addressed, on_gpu = [], [], ["kid", "device"], [], []
+    for i, (arg, how) in enumerate(zip(args, spec)):
+        a, kind = f"a{i}", type(arg)
+        if kind is int:
+            guards.append(f"type({a}) is int")
+            width = _WIDTH.format(a=a)
+            key.append(width if how == NOT_SPECIALIZED else
+                       f"(7 if {a} == 1 else {width})" if how == NO_ALIGNMENT else
+                       f"(7 if {a} == 1 else {width} + ({a} & 15 == 0))")
+            addressed.append(a)
+        elif kind is Tensor or isinstance(arg, Tensor):
+            lines.append(f"p{i} = {a}.data_ptr()")
+            key.append(f"{a}.dtype")
+            if how == SPECIALIZED:
+                key.append(f"p{i} & 15")
+            if _HIP and how != NOT_SPECIALIZED:
+                key.append(f"{a}.untyped_storage().nbytes() <= {_MAX_BUFFER_BYTES}")
+            addressed.append(f"p{i}")
+            on_gpu.append(f"{a}.is_cuda")
+        elif kind is bool or kind is float:
+            guards.append(f"type({a}) is {kind.__name__}")
+            key.append(a if kind is bool else "16")
+            addressed.append(a)
+        else:
+            return None
+    if not args or len(args) > len(spec):
+        return None
+    source = [f"def call_class(args, device, constexprs, kid={id(kernel)}):",
+              f"    {', '.join(f'a{i}' for i in range(len(args)))}, = args"]
+    if guards:
+        source += [f"    if not ({' and '.join(guards)}):", "        return None"]
+    source += [f"    {line}" for line in lines]
+    source += [f"    key = ({', '.join(key)}, *constexprs.items())",
+               f"    return key, (({', '.join(addressed)},) if {' and '.join(on_gpu) or 'True'}"
+               " else args)"]
+    namespace: dict = {}
+    exec("\n".join(source), namespace)  # noqa: S102 - source made above from fixed pieces
+    return namespace["call_class"]
 
 
 def _triton_run(compiled):

@@ -69,6 +69,9 @@ VARIANTS = {"flexplan-fused": {"fuse": True},
             # asks the driver about each address), as before session 42
             "flexplan-tensor-args": {"settings": (
                 ("flexplan.launcher", "TENSORS_AS_ADDRESSES", False),)},
+            # launch classes argument by argument, as before session 42
+            "flexplan-generic-classes": {"settings": (
+                ("flexplan.launcher", "GENERATED_CLASSES", False),)},
             "flexplan-no-graph-ops": {"settings": (
                 ("flexplan.plan", "_register_token", lambda plan: None),
                 ("flexplan.nn.spconv_layers", "sparse_conv",
@@ -102,6 +105,8 @@ VARIANT_RATIOS = {
                             ("flexplan-floor-conv", "fp16"), ("flexplan", "fp16")),
     "flexplan-tensor-args": ("flexplan tensor args / flexplan fp16",
                              ("flexplan-tensor-args", "fp16"), ("flexplan", "fp16")),
+    "flexplan-generic-classes": ("flexplan generic classes / flexplan fp16",
+                                 ("flexplan-generic-classes", "fp16"), ("flexplan", "fp16")),
     "flexplan-no-graph-ops": ("flexplan without graph-op costs / flexplan fp16",
                               ("flexplan-no-graph-ops", "fp16"), ("flexplan", "fp16")),
 }

@@ -168,3 +168,31 @@ def test_launch_hooks_see_repeated_launches():
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     torch.cuda.synchronize()
     assert len(seen) == 1
+
+
+def _mixed(t, u, n, m, flag, scale, v, BLOCK: tl.constexpr):
+    pass
+
+
+def test_generated_call_classes_equal_the_generic_ones():
+    """The class function generated from a first call (launcher._class_function) gives the
+    generic classes for every later call: ints around 1, 16 and the widths, tensors aligned or
+    not and of other dtypes; calls of other kinds (an int where a tensor was, a bool where an
+    int was) take the generic path and get its answer too."""
+    kernel = JITFunction(_mixed, do_not_specialize=["m"], do_not_specialize_on_alignment=["u", "v"])
+    t = torch.zeros(64)
+    first = (t, t, 16, 3, True, 0.5, 7)
+    assert launcher._class_function(kernel, first) is not None
+    cases = [first]
+    for n in (1, 2, 16, 17, 2**31, -1, -2**31 - 1, 2**63):
+        for m in (1, 16, 2**40):
+            cases.append((t[1:], t, n, m, False, 2.0, 1))
+            cases.append((t, t[2:].to(torch.float16), n, m, True, 1e-3, 32))
+    cases += [(3, t, 16, 3, True, 0.5, 7), (t, t, True, 3, True, 0.5, 7),
+              (t, t, 16, 3, 1, 0.5, 7), (t, t, 16, 3, True, 1, 7), (t, None, 16, 3, True, 0.5, 7)]
+    launcher._call_key(kernel, 0, first, {"BLOCK": 8})  # generates it
+    assert launcher._class_fns[(id(kernel), len(first))][1] is not None
+    for args in cases:
+        for constexprs in ({"BLOCK": 8}, {}):
+            assert (launcher._call_class(kernel, 0, args, constexprs)
+                    == launcher._generic_call_class(kernel, 0, args, constexprs)), args

@@ -10,7 +10,9 @@ Repeated calls skip the resolution: a call whose arguments fall in a class seen 
 straight to the binary that served that class, without Triton's binder and cache lookup (which
 the direct launcher reuses too). A Triton launch costs more host time than many planner kernels
 run; this path roughly halves it, most of what is left being Triton's launcher, whose C part
-Triton 3.6 repeat calls reach directly (measurements: scripts/results/design_measurements.md).
+Triton 3.6 repeat calls reach directly, handing it addresses rather than tensors, and the
+class itself, computed by a function generated per kernel (measurements:
+scripts/results/design_measurements.md).
 The class refines Triton's specialization (dtype and 16-byte alignment of each tensor; whether
 an int is 1, a multiple of 16, and its integer width; the constexprs), so two calls of one class
 always take the same binary; and like Triton it leaves out what a kernel's decorator says not to
@@ -134,16 +136,18 @@ def _call_class(kernel, device: int, args: tuple, constexprs: dict) -> tuple:
     """(class, addressed): the call's class, what Triton specializes each runtime argument on
     or more, as one flat tuple, or None for arguments of other types; and the arguments with
     every tensor replaced by its address when all of them are CUDA (ROCm) tensors, else the
-    arguments as given. This runs on every launch: by a function generated per kernel and
-    argument count (_class_function), else argument by argument (_generic_call_class).
+    arguments as given when one is not on the current GPU `device`. This runs on every launch:
+    by a function generated per kernel and argument count (_class_function), else argument by
+    argument (_generic_call_class).
     A tensor adds its dtype and, where specialized, its 16-byte alignment (and on ROCm whether
     its storage fits 2 GiB); an int one code for == 1, divisible by 16 (where specialized) and
     its width (never 0 or 1, which a bool argument adds: its value); a float the code 16.
     Why addresses: Triton's launchers take an int for a pointer argument as it is, whereas for
     a tensor they call its data_ptr method and ask the driver to check the address
     (cuPointerGetAttribute), per tensor and launch, host time the key's own data_ptr call
-    already paid (measurements: scripts/results/host_costs.md, session 42). Tensors off the GPU
-    keep their tensors: Triton's check then raises its error."""
+    already paid (measurements: scripts/results/host_costs.md, session 42). A call with a tensor
+    on the CPU or on another GPU keeps its tensors: Triton's check then raises its error (the
+    ops check devices before; a kernel must never read an address its GPU cannot)."""
     if GENERATED_CLASSES:
         entry = _class_fns.get((id(kernel), len(args)))
         if entry is None or entry[0] is not kernel:
@@ -183,7 +187,7 @@ def _generic_call_class(kernel, device: int, args: tuple, constexprs: dict) -> t
                 append(address & 15)
             if _HIP and how != NOT_SPECIALIZED:
                 append(arg.untyped_storage().nbytes() <= _MAX_BUFFER_BYTES)
-            on_gpu = on_gpu and arg.is_cuda
+            on_gpu = on_gpu and arg.get_device() == device
             put(address)
         elif kind is bool:
             append(arg)
@@ -211,7 +215,7 @@ def _class_function(kernel, args: tuple):
     or type dispatch (the class of a 20-argument launch in about half the time). The function
     returns None where a call's kinds differ (its ints, bools and floats are checked; a tensor's
     place raises AttributeError), and the caller takes the generic path. None: the arguments
-    hold another kind."""
+    hold another kind, or there are none, or more than the kernel has parameters."""
     spec = arg_specialization(kernel)
     guards, lines, key, addressed, on_gpu = [], [], ["kid", "device"], [], []
     for i, (arg, how) in enumerate(zip(args, spec)):
@@ -231,7 +235,7 @@ def _class_function(kernel, args: tuple):
             if _HIP and how != NOT_SPECIALIZED:
                 key.append(f"{a}.untyped_storage().nbytes() <= {_MAX_BUFFER_BYTES}")
             addressed.append(f"p{i}")
-            on_gpu.append(f"{a}.is_cuda")
+            on_gpu.append(f"{a}.get_device() == device")
         elif kind is bool or kind is float:
             guards.append(f"type({a}) is {kind.__name__}")
             key.append(a if kind is bool else "16")

@@ -196,3 +196,29 @@ def test_generated_call_classes_equal_the_generic_ones():
         for constexprs in ({"BLOCK": 8}, {}):
             assert (launcher._call_class(kernel, 0, args, constexprs)
                     == launcher._generic_call_class(kernel, 0, args, constexprs)), args
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor that says it lives on GPU `index` (the address path, without a GPU)."""
+    index = 0
+
+    def get_device(self):
+        return self.index
+
+
+class _OnOtherDevice(_OnDevice):
+    index = 1
+
+
+def test_call_class_hands_addresses_only_for_tensors_on_the_current_gpu():
+    """The arguments the launcher gets: every tensor's address when all are on the current GPU
+    (generated and generic paths alike), the tensors themselves when one is elsewhere."""
+    kernel = JITFunction(_add_one)
+    t = torch.zeros(64)
+    here, there = t.as_subclass(_OnDevice), t[4:].as_subclass(_OnOtherDevice)
+    for call_class in (launcher._call_class, launcher._generic_call_class):
+        key, addressed = call_class(kernel, 0, (here, here[1:], 8, 2.0), {"BLOCK": 8})
+        assert addressed == (t.data_ptr(), t.data_ptr() + 4, 8, 2.0) and key is not None
+        args = (here, there, 8, 2.0)
+        assert call_class(kernel, 0, args, {"BLOCK": 8})[1] is args
+        assert call_class(kernel, 1, (here, here, 8, 2.0), {})[1] == (here, here, 8, 2.0)

@@ -24,10 +24,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-parts-"))
 
-import flexplan.nn.spconv as sp  # noqa: E402
 from bench_e2e import MODES  # noqa: E402
-from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
-from profile_host import NETS, step_fn  # noqa: E402
+from profile_host import NETS, lidar_batches, network_setup, step_fn  # noqa: E402
 
 FUNCS = (
     "flexplan.plan_prefetch:_prefetch",
@@ -132,15 +130,9 @@ def main() -> None:
                    help="clock the launcher's class key twice per launch (cold, then warm)")
     args = p.parse_args()
     mode = MODES[args.mode]
-    device = torch.device("cuda")
-    torch.manual_seed(0)
-    net = NETS[args.network](sp).to(device).to(mode.model_dtype)
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    scans = lidar_scans(2, 0, device)
+    net, opt, scans, sp = network_setup(args.network, mode)
     n = args.warmup + args.steps
-    seeds = [0] * n if args.coords == "same" else range(n)
-    batches = [lidar_batch(i, 2, 0, device, scans=scans) for i in seeds]
-    batches = [b._replace(features=b.features.to(mode.input_dtype)) for b in batches]
+    batches = lidar_batches([0] * n if args.coords == "same" else range(n), scans, mode)
     run = step_fn(net, opt, args.phase, mode, sp)
     for spec in args.funcs.split(","):
         wrap(spec)

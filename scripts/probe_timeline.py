@@ -29,10 +29,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("FLEXPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="flexplan-timeline-"))
 
-import flexplan.nn.spconv as flexplan_sp  # noqa: E402
 from bench_e2e import MODES  # noqa: E402
-from flexplan.workloads import lidar_batch, lidar_scans  # noqa: E402
-from profile_host import NETS, step_fn  # noqa: E402
+from profile_host import NETS, lidar_batches, network_setup, step_fn  # noqa: E402
 
 BLOCKING = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
             "cudaMemcpy", "cudaMemcpyAsync", "cuStreamSynchronize", "cuEventSynchronize")
@@ -60,17 +58,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
     mode = MODES[args.mode]
-    device = torch.device("cuda")
-    torch.manual_seed(0)
-    if args.impl == "spconv":
-        import spconv.pytorch as sp
-    else:
-        sp = flexplan_sp
-    net = NETS[args.network](sp).to(device).to(mode.model_dtype)
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    scans = lidar_scans(2, 0, device)
-    batches = [lidar_batch(i, 2, 0, device, scans=scans) for i in range(args.warmup + args.steps)]
-    batches = [b._replace(features=b.features.to(mode.input_dtype)) for b in batches]
+    net, opt, scans, sp = network_setup(args.network, mode, args.impl)
+    batches = lidar_batches(range(args.warmup + args.steps), scans, mode)
     run = step_fn(net, opt, args.phase, mode, sp)
     for b in batches[:args.warmup]:
         run(b)

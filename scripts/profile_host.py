@@ -56,6 +56,27 @@ def step_fn(net, opt, phase: str, mode: Mode, sp=flexplan_sp):
     return step
 
 
+def network_setup(network: str, mode: Mode, impl: str = "flexplan"):
+    """(net, optimizer, scans, sp): `network` built on `impl`'s spconv namespace (seed 0), on the
+    GPU in the mode's dtype, its SGD optimizer, and the LiDAR scans batches are cut from."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    if impl == "spconv":
+        import spconv.pytorch as sp
+    else:
+        sp = flexplan_sp
+    net = NETS[network](sp).to(device).to(mode.model_dtype)
+    return net, torch.optim.SGD(net.parameters(), lr=1e-3), lidar_scans(2, 0, device), sp
+
+
+def lidar_batches(seeds, scans, mode: Mode) -> list:
+    """A batch of 2 scans per seed (the same seed: the same coordinates), features in the
+    mode's input dtype."""
+    device = torch.device("cuda")
+    return [b._replace(features=b.features.to(mode.input_dtype))
+            for b in (lidar_batch(i, 2, 0, device, scans=scans) for i in seeds)]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--network", default="encoder", choices=sorted(NETS))
@@ -72,20 +93,11 @@ def main():
     parser.add_argument("--no-cprofile", action="store_true")
     args = parser.parse_args()
     mode = MODES[args.mode]
-    device = torch.device("cuda")
-    torch.manual_seed(0)
-    if args.impl == "spconv":
-        import spconv.pytorch as sp
-    else:
-        sp = flexplan_sp
-    net = NETS[args.network](sp).to(device).to(mode.model_dtype)
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    scans = lidar_scans(2, 0, device)
+    net, opt, scans, sp = network_setup(args.network, mode, args.impl)
 
     def new_batches(first: int) -> list:
         seeds = [first] * args.steps if args.coords == "same" else range(first, first + args.steps)
-        batches = [lidar_batch(i, 2, 0, device, scans=scans) for i in seeds]
-        return [b._replace(features=b.features.to(mode.input_dtype)) for b in batches]
+        return lidar_batches(seeds, scans, mode)
 
     batches = new_batches(0)[:10] + new_batches(0 if args.coords == "same" else 10)
 

@@ -2,7 +2,7 @@
 # GPU tests and benchmarks in one go, on the GPU machine (system python with torch + Triton,
 # no network). Carry .whl (platformdirs) and .peers (spconv, from ../shared/tools/peers-for-gpu.sh).
 # Usage: bash scripts/gpu_check.sh [tests] [cuda] [planner] [submconv] [cache] [aot] [table] [tuning] [unet]
-#        [e2e] [layers] [ddp] [precision]
+#        [e2e] [layers] [ddp] [precision] [host]
 #        (no argument: everything). Results land in scripts/results/ and, if set, in $OUT.
 # The results name the code's commit: on a copied tree whose .git is another commit's, set
 # FLEXPLAN_BENCH_COMMIT (e.g. FLEXPLAN_BENCH_COMMIT=$(git rev-parse --short HEAD) where the
@@ -38,6 +38,10 @@ for step in "${steps[@]}"; do
     layers)   python3 scripts/bench_layers.py ;;  # the e2e encoder's layer shapes vs spconv, every dtype
     ddp)      python3 scripts/bench_ddp.py ;;  # DDP training on 1 and 2 GPUs vs spconv (2-GPU machine)
     precision) python3 scripts/bench_precision.py ;;  # precision modes and BatchNorm folding, step by step vs spconv
+    # host cost of a launch (loop) and of named functions inside fresh / repeated U-Net steps
+    host)     python3 scripts/probe_launch.py \
+                && python3 scripts/probe_host_parts.py --coords fresh \
+                && python3 scripts/probe_host_parts.py --coords same ;;
     *) echo "unknown step $step"; false ;;
   esac || status=1
 done

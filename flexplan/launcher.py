@@ -135,8 +135,8 @@ def _call_key(kernel, device: int, args: tuple, constexprs: dict):
 def _call_class(kernel, device: int, args: tuple, constexprs: dict) -> tuple:
     """(class, addressed): the call's class, what Triton specializes each runtime argument on
     or more, as one flat tuple, or None for arguments of other types; and the arguments with
-    every tensor replaced by its address when all of them are CUDA (ROCm) tensors, else the
-    arguments as given when one is not on the current GPU `device`. This runs on every launch:
+    every tensor replaced by its address when every tensor is on the current GPU `device`,
+    else the arguments as given. This runs on every launch:
     by a function generated per kernel and argument count (_class_function), else argument by
     argument (_generic_call_class).
     A tensor adds its dtype and, where specialized, its 16-byte alignment (and on ROCm whether

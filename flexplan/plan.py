@@ -6,6 +6,7 @@ frozen and its dictionaries are read-only views.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
@@ -216,14 +217,19 @@ def _kernels():
     return plan_views
 
 
-def kernels_run_on(t: torch.Tensor) -> bool:
-    """Can launcher.launch run a kernel on t: a CUDA (or ROCm) tensor, or any tensor while the
-    kernels are the interpreter's (TRITON_INTERPRET=1, as the launcher tells them apart)."""
-    if t.is_cuda:
-        return True
+@functools.cache  # (fixed when the kernels' modules are imported)
+def kernels_interpreted() -> bool:
+    """Whether the kernels are the interpreter's (TRITON_INTERPRET=1: they run over host copies
+    of their tensors), as the launcher tells them apart."""
     from triton.runtime.jit import JITFunction
 
     return not isinstance(_kernels().sorted_map_t_kernel, JITFunction)
+
+
+def kernels_run_on(t: torch.Tensor) -> bool:
+    """Can launcher.launch run a kernel on t: a CUDA (or ROCm) tensor, or any tensor while the
+    kernels are the interpreter's."""
+    return t.is_cuda or kernels_interpreted()
 
 
 # The views' launch descriptions: each launch written once (flexplan/launch_spec.py), for

@@ -20,7 +20,6 @@ from dataclasses import replace
 from typing import NamedTuple, Optional
 
 import torch
-from triton.runtime.jit import JITFunction
 
 from .. import plan_tokens, plan_views
 from ..compile_boundary import opaque
@@ -38,7 +37,7 @@ from ..kernels_src.conv_im2col import im2col_channel_major_kernel, im2col_kernel
 from ..kernels_src.conv_wgrad import conv_wgrad_kernel
 from ..launch_spec import ACCUMULATOR, ADDRESS, FEATURE, INT32, OUTPUT, SIZE, UNREAD_ADDRESS
 from ..launcher import cdiv, launch
-from ..plan import MISSING, ConvPlan, GatherMap, kernels_run_on
+from ..plan import MISSING, ConvPlan, GatherMap, kernels_interpreted, kernels_run_on
 from . import torch_fallback
 from .graph_ops import GRAPH_OP_TAGS, op_context
 # From dispatch, not the flexplan.tuning package: that package also wires in the run-time
@@ -609,11 +608,7 @@ def _bn_in_kernel(bn: BatchNormReLU, src: torch.Tensor, bias) -> bool:
             and bn.eps > 0  # (torch's batch norm judges any other: some versions refuse 0)
             and all(x.dtype == t.dtype and x.is_contiguous() and x.device == device
                     for x in bn[:4])
-            and (_COMPILED_KERNELS or device.type == "cpu"))
-
-
-# Whether kernels run compiled (else TRITON_INTERPRET=1: the interpreter, over host copies).
-_COMPILED_KERNELS = isinstance(conv_gather_gemm_kernel, JITFunction)
+            and (device.type == "cpu" or not kernels_interpreted()))
 
 
 @opaque

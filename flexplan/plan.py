@@ -6,7 +6,6 @@ frozen and its dictionaries are read-only views.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
@@ -217,7 +216,6 @@ def _kernels():
     return plan_views
 
 
-@functools.cache  # (fixed when the kernels' modules are imported)
 def kernels_interpreted() -> bool:
     """Whether the kernels are the interpreter's (TRITON_INTERPRET=1: they run over host copies
     of their tensors), as the launcher tells them apart."""

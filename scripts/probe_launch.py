@@ -38,6 +38,47 @@ def _with_tensors(kernel, grid, a, c) -> None:
         launcher.TENSORS_AS_ADDRESSES = True
 
 
+_STATIC_TYPES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I",
+                 "u8": "B", "u16": "H", "u32": "I", "u64": "K", "fp16": "f", "bf16": "f",
+                 "fp32": "f", "f32": "f", "fp64": "d"}
+
+
+def static_launch(compiled, args: tuple, grid: tuple):
+    """A launch of `compiled` through torch's precompiled launcher for Triton cubins
+    (torch._C._StaticCudaLauncher, what Inductor uses; a private API), or the reason it cannot."""
+    import tempfile
+    try:
+        impl = torch._C._StaticCudaLauncher
+    except AttributeError as exc:
+        return str(exc)
+    signature = list(compiled.src.signature.values())
+    tys, kept = "", []
+    for ty, arg in zip(signature, args):
+        if ty == "constexpr":
+            continue
+        tys += "O" if ty.startswith("*") else _STATIC_TYPES[ty]
+        kept.append(arg)
+    for name in ("global_scratch_size", "profile_scratch_size"):
+        if hasattr(compiled.metadata, name):
+            if getattr(compiled.metadata, name) > 0:
+                return f"{name} > 0"
+            tys += "O"
+            kept.append(None)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    loaded = impl._load_kernel(f.name, compiled.metadata.name, compiled.metadata.shared,
+                               torch.cuda.current_device())
+    function = loaded[1] if len(loaded) == 4 else loaded[0]
+    warps, shared, kept = compiled.metadata.num_warps, compiled.metadata.shared, tuple(kept)
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    stream = torch.cuda.current_stream().cuda_stream
+    launch_kernel = impl._launch_kernel
+
+    def run():
+        launch_kernel(function, gx, gy, gz, warps, shared, tys, kept, stream)
+    return run
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=20)
@@ -65,6 +106,16 @@ def main() -> None:
     addressed = launcher._call_class(kernel, dev, a, c)[1] + tail
     stream = direct.current_stream(dev)
     x = torch.empty(16, device=device)
+    compiled = kernel[grid](*a, **c)
+    static = static_launch(compiled, addressed, grid) if compiled is not None else "no binary"
+    if callable(static):  # same results as Triton's launch
+        ranks_before = ranks.clone()
+        ranks.zero_()
+        static()
+        torch.cuda.synchronize()
+        print("static launcher output equal:", torch.equal(ranks, ranks_before))
+    else:
+        print("static launcher unavailable:", static)
     rows = [
         ("launch_gray_rank(launch, ...)", lambda: launch_gray_rank(
             launcher.launch, nmap, ranks, counts, n, 14, n, v, words, word_bits)),
@@ -80,6 +131,7 @@ def main() -> None:
         ("run(grid, stream, args), tensors", lambda: run(grid, stream, full)),
         ("run(grid, stream, args), addresses", lambda: run(grid, stream, addressed)),
         ("kernel[grid](*args) (Triton's own)", lambda: kernel[grid](*a, **c)),
+        *([("torch._C._StaticCudaLauncher, addresses", static)] if callable(static) else []),
         ("torch: x.fill_(1.0)", lambda: x.fill_(1.0)),
         ("torch: torch.empty(16)", lambda: torch.empty(16, device=device)),
     ]

@@ -461,3 +461,44 @@ def test_a_maps_launch_is_resolved_once_while_dispatch_holds(device, monkeypatch
     assert len(asked) == 3 and (forced - ref).abs().max() <= 1e-4 * ref.abs().max()
     sparse_conv(feats, plan, weight, bias, algo="masked")
     assert len(asked) == 3  # the forced config was not kept; the epoch's answer was
+
+
+def test_a_shapes_config_is_kept_across_plans(device, monkeypatch):
+    """A fresh plan's convolutions (forward, grad-input, grad-weight) of a shape seen before
+    ask dispatch nothing (ops.conv.shape_config), and compute what a fresh process computes;
+    a new epoch asks again."""
+    import importlib
+
+    from flexplan.tuning import dispatch
+
+    conv_module = importlib.import_module("flexplan.ops.conv")
+    asked = []
+    real = conv_module.select_config
+    monkeypatch.setattr(conv_module, "select_config",
+                        lambda family, problem: asked.append(problem) or real(family, problem))
+    dispatch.reset()
+
+    def train_call(seed):  # a plan built afresh each call (maps with empty memos)
+        coords, plan = submanifold_case(70, seed=51)
+        plan = plan.to(device)
+        feats, weight, bias = make_inputs(coords.shape[0], 16, 16, (3, 3, 3), torch.float32,
+                                          device, seed + 1)
+        feats.requires_grad_(True)
+        weight.requires_grad_(True)
+        out = sparse_conv(feats, plan, weight, bias, algo="masked")
+        out.backward(torch.ones_like(out))
+        return out, feats.grad, weight.grad
+
+    train_call(51)
+    shapes = len(asked)
+    assert shapes == 3  # forward, grad-input, grad-weight
+    second = train_call(53)
+    assert len(asked) == shapes  # a new map, the same shapes: kept
+    conv_module._shape_configs.clear()
+    again = train_call(53)
+    assert len(asked) == 2 * shapes
+    for kept, fresh in zip(second, again):
+        assert torch.equal(kept, fresh)
+    dispatch.reset()
+    train_call(53)
+    assert len(asked) == 3 * shapes  # a new epoch: asked again

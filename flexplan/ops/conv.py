@@ -297,14 +297,43 @@ def _kept_launch(gmap: GatherMap, key: tuple, device: torch.device, resolve) -> 
     return answer
 
 
+# (family, part, algo, dispatched rows, Ci, Co, V, dtype, allow_tf32, device) -> (answers_epoch,
+# (config, dtype name, hip)): what dispatch answers for a launch of that shape, kept across
+# plans: each fresh plan's first convolutions would otherwise build their Problem and ask
+# select_config again (host time in a host-bound step on new coordinates; measurements:
+# scripts/results/host_costs.md, session 43). Bounded like dispatch's own answers.
+_shape_configs: dict = {}
+_MAX_SHAPE_CONFIGS = 4096
+
+
+def shape_config(family: str, part: str, algo: str, rows: int, ci: int, co: int, v: int,
+                 src: torch.Tensor, allow_tf32: bool) -> tuple:
+    """(config, dtype name, hip) of a `family` launch of `part` over `rows` rows (pairs for
+    grad-weight) of src's dtype and device: select_config's answer for the dispatched Problem
+    (with grad-weight's precision_config), kept while dispatch's answers hold (answers_epoch);
+    never kept under a config the tuner forces."""
+    epoch = answers_epoch()
+    rows = dispatch_rows(rows)
+    key = (family, part, algo, rows, ci, co, v, src.dtype, allow_tf32, src.device)
+    known = _shape_configs.get(key)
+    if known is not None and known[0] == epoch and epoch is not None:
+        return known[1]
+    dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()
+    cfg = select_config(family, Problem(rows, ci, co, v, config_dtype(dtype, hip), algo, part))
+    answer = precision_config(cfg, family, dtype, hip), dtype, hip
+    if epoch is not None:
+        if len(_shape_configs) >= _MAX_SHAPE_CONFIGS:
+            _shape_configs.clear()
+        _shape_configs[key] = epoch, answer
+    return answer
+
+
 def _gather_gemm_launch(src, gmap: GatherMap, part: str, algo: str, m: int, ci: int, co: int,
                         v: int, allow_tf32: bool) -> tuple:
     """What a gather-GEMM launch over gmap takes besides the call's own tensors: (config,
     masked, sorted_map_t, chunk_order, valid_kernel, valid_kernel_seg, dtype, hip), the same
     for every call of one (part, algo, shape, dtype) on the map (_kept_launch)."""
-    dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()
-    problem = Problem(dispatch_rows(m), ci, co, v, config_dtype(dtype, hip), algo, part)
-    cfg = select_config(GATHER_GEMM, problem)
+    cfg, dtype, hip = shape_config(GATHER_GEMM, part, algo, m, ci, co, v, src, allow_tf32)
     masked = algo.startswith("masked")
     if masked:
         block_m = _block_for(gmap, cfg.block_m)
@@ -374,9 +403,7 @@ def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bo
     pairs = plan.num_pairs
     if algo == "explicit" or pairs == 0:
         return _explicit_wgrad(grad_out, src, plan, weight_shape).to(out_dtype)
-    cfg, dtype, hip = _kept_launch(  # (kept with the plan's fwd map)
-        plan.fwd, ("wgrad", algo, pairs, co, ci, v, src.dtype, allow_tf32), src.device,
-        lambda: _wgrad_launch(src, pairs, ci, co, v, algo, allow_tf32))
+    cfg, dtype, hip = shape_config(WGRAD, "wgrad", algo, pairs, ci, co, v, src, allow_tf32)
     # Split-K stores out_dtype from its fp32 sums (an fp32 master weight's gradient under
     # autocast, no 16-bit round trip); one split stores the features' dtype, cast after if
     # need be (one binary per config fewer to build ahead of time: aot/variants.py).
@@ -392,13 +419,6 @@ def wgrad(grad_out, src, plan: ConvPlan, weight_shape, algo: str, allow_tf32: bo
                  plan.valid_signal_seg, out, partials, tile_counts, co, ci, v,
                  plan.signal_offsets, cfg, dtype, hip)
     return out.to(out_dtype)
-
-
-def _wgrad_launch(src, pairs: int, ci: int, co: int, v: int, algo: str, allow_tf32: bool) -> tuple:
-    """(config, dtype, hip) of a grad-weight launch over `pairs` pairs (_kept_launch)."""
-    dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()
-    problem = Problem(dispatch_rows(pairs), ci, co, v, config_dtype(dtype, hip), algo, "wgrad")
-    return precision_config(select_config(WGRAD, problem), WGRAD, dtype, hip), dtype, hip
 
 
 def _explicit_wgrad(grad_out, src, plan: ConvPlan, weight_shape):

@@ -6,6 +6,7 @@ frozen and its dictionaries are read-only views.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
@@ -34,6 +35,30 @@ def mirrored_signal_offsets(volume: int) -> int:
     return volume // 2 + 1
 
 
+# dtype -> [pinned chunk, slots handed out]: PendingCount's host copies are one-element views of
+# a shared pinned chunk, never reused (a chunk is freed with its last view), instead of one
+# pinned allocation each (about 60 us of a step's host time per count on a GPU host, 4 per
+# fresh training step of bench_e2e's U-Net: scripts/results/host_costs.md, session 43).
+_pinned_chunks: dict = {}
+_PINNED_CHUNK_SLOTS = 512
+_pinned_lock = threading.Lock()
+# False: a pinned allocation per count, as before session 43 (A/B runs,
+# scripts/bench_precision.py).
+SHARED_PINNED_COUNTS = True
+
+
+def _pinned_slot(dtype: torch.dtype) -> torch.Tensor:
+    """A one-element pinned host tensor of dtype that no other caller gets."""
+    with _pinned_lock:
+        chunk = _pinned_chunks.get(dtype)
+        if chunk is None or chunk[1] == _PINNED_CHUNK_SLOTS:
+            chunk = _pinned_chunks[dtype] = [
+                torch.empty(_PINNED_CHUNK_SLOTS, dtype=dtype, pin_memory=True), 0]
+        slot = chunk[1]
+        chunk[1] = slot + 1
+    return chunk[0][slot:slot + 1]
+
+
 class PendingCount:
     """A count the device computes during a plan build, for the host to read later without a
     host sync of the stream: at the build, copied to pinned memory behind an event; read on
@@ -48,7 +73,8 @@ class PendingCount:
         self._event = self._value = None
         self._device = source.device
         if source.is_cuda:
-            self._host = torch.empty(1, dtype=source.dtype, pin_memory=True)
+            self._host = (_pinned_slot(source.dtype) if SHARED_PINNED_COUNTS else
+                          torch.empty(1, dtype=source.dtype, pin_memory=True))
             self._host.copy_(source.reshape(1), non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()

@@ -72,6 +72,11 @@ VARIANTS = {"flexplan-fused": {"fuse": True},
             # launch classes argument by argument, as before session 42
             "flexplan-generic-classes": {"settings": (
                 ("flexplan.launcher", "GENERATED_CLASSES", False),)},
+            # dispatch asked at every fresh map's first launches, and a pinned allocation per
+            # pending pair count, as before session 43
+            "flexplan-session42-host": {"settings": (
+                ("flexplan.ops.conv", "KEEP_SHAPE_CONFIGS", False),
+                ("flexplan.plan", "SHARED_PINNED_COUNTS", False))},
             "flexplan-no-graph-ops": {"settings": (
                 ("flexplan.plan", "_register_token", lambda plan: None),
                 ("flexplan.nn.spconv_layers", "sparse_conv",
@@ -107,6 +112,8 @@ VARIANT_RATIOS = {
                              ("flexplan-tensor-args", "fp16"), ("flexplan", "fp16")),
     "flexplan-generic-classes": ("flexplan generic classes / flexplan fp16",
                                  ("flexplan-generic-classes", "fp16"), ("flexplan", "fp16")),
+    "flexplan-session42-host": ("flexplan session 42's host path / flexplan fp16",
+                                ("flexplan-session42-host", "fp16"), ("flexplan", "fp16")),
     "flexplan-no-graph-ops": ("flexplan without graph-op costs / flexplan fp16",
                               ("flexplan-no-graph-ops", "fp16"), ("flexplan", "fp16")),
 }

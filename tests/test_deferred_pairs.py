@@ -217,3 +217,20 @@ def test_lengths_left_on_the_device_read_in_one_sync(device, monkeypatch):
     assert tensors.keys() == exact.keys()
     for name in exact:
         assert torch.equal(tensors[name].cpu(), exact[name].cpu()), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_pending_counts_share_pinned_chunks_without_sharing_slots(monkeypatch):
+    """Counts copied to one-element views of shared pinned chunks (plan._pinned_slot): each
+    reads its own source, across a chunk's end, also once the chunk's earlier counts are gone."""
+    monkeypatch.setattr(plan_module, "_PINNED_CHUNK_SLOTS", 3)
+    monkeypatch.setattr(plan_module, "_pinned_chunks", {})
+    counts = []
+    for value in range(8):
+        counts.append(PendingCount(torch.tensor([value * 7], dtype=torch.int64, device="cuda")))
+        if value == 4:
+            del counts[:2]  # the first chunk's first two counts dropped before the rest are read
+    assert [c.value() for c in counts] == [v * 7 for v in range(2, 8)]
+    assert all(c._host.is_pinned() for c in counts)
+    assert len({c._host.data_ptr() for c in counts}) == len(counts)

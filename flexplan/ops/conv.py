@@ -304,6 +304,9 @@ def _kept_launch(gmap: GatherMap, key: tuple, device: torch.device, resolve) -> 
 # scripts/results/host_costs.md, session 43). Bounded like dispatch's own answers.
 _shape_configs: dict = {}
 _MAX_SHAPE_CONFIGS = 4096
+# False: every launch asks dispatch afresh, as before session 43 (A/B runs,
+# scripts/bench_precision.py).
+KEEP_SHAPE_CONFIGS = True
 
 
 def shape_config(family: str, part: str, algo: str, rows: int, ci: int, co: int, v: int,
@@ -321,7 +324,7 @@ def shape_config(family: str, part: str, algo: str, rows: int, ci: int, co: int,
     dtype, hip = _dtype_name(src.dtype, allow_tf32, src.device), runtime_is_hip()
     cfg = select_config(family, Problem(rows, ci, co, v, config_dtype(dtype, hip), algo, part))
     answer = precision_config(cfg, family, dtype, hip), dtype, hip
-    if epoch is not None:
+    if epoch is not None and KEEP_SHAPE_CONFIGS:
         if len(_shape_configs) >= _MAX_SHAPE_CONFIGS:
             _shape_configs.clear()
         _shape_configs[key] = epoch, answer

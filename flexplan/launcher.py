@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from . import launch_native
 from .aot import direct, runtime
 from .aot.launch_abi import mirrors_triton_launcher
 
@@ -43,6 +44,14 @@ GENERATED_CLASSES = True
 # the constexpr parameters: launchers take every parameter, in order). Kernels are module-level
 # functions, so their ids stay theirs.
 _calls: dict = {}
+# Native launches (flexplan/launch_native.py): class -> the C record of the binary Triton's
+# launcher ran for it, and id(kernel) -> (kernel, its id as an int object, its specialization
+# codes as bytes, the C launch function) for the C call. False: every launch through the
+# Python path (A/B runs, scripts/bench_precision.py; FLEXPLAN_NATIVE_LAUNCH=0: the C module
+# is never built).
+NATIVE_LAUNCHES = True
+_native_calls: dict = {}
+_native_kernels: dict = {}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -58,6 +67,7 @@ def _aot_enabled() -> bool:
 def forget_calls() -> None:
     """Resolve every call afresh (the AOT runtime's reset: bundles or settings changed)."""
     _calls.clear()
+    _native_calls.clear()
 
 
 # A call resolved to a bundle binary must be resolved again once the bundles change.
@@ -282,11 +292,12 @@ def _triton_run(compiled):
 
 
 def _resolve_and_launch(kernel, grid, args: tuple, constexprs: dict):
-    """Launch the slow way; return how this call's binary launches, or None (not repeatable)."""
+    """Launch the slow way; return (how this call's binary launches, or None: not repeatable;
+    the Triton CompiledKernel that ran it, or None: a direct bundle launch)."""
     if _aot_enabled():
         binary = direct.launch(kernel, grid, args, constexprs)
         if binary is not None:
-            return binary.launch
+            return binary.launch, None
         runtime.install()
         compiled = kernel[grid](*args, **constexprs)
         if compiled is None:
@@ -295,7 +306,28 @@ def _resolve_and_launch(kernel, grid, args: tuple, constexprs: dict):
             compiled = kernel[grid](*args, **constexprs)
     else:
         compiled = kernel[grid](*args, **constexprs)
-    return _triton_run(compiled) if compiled is not None else None
+    return (_triton_run(compiled), compiled) if compiled is not None else (None, None)
+
+
+
+
+def _record_native(kernel, device: int, args: tuple, constexprs: dict, compiled) -> None:
+    """Record compiled's binary for this call's class with the native launcher, where it can
+    launch it (Triton 3.6's CUDA launcher without scratch: the one _triton_run calls directly)."""
+    if not (NATIVE_LAUNCHES and _SCRATCH_FREE_CUDA_LAUNCHER
+            and type(compiled.run).__name__ == "CudaLauncher"):
+        return
+    native = launch_native.module()
+    if native is None:
+        return
+    entry = _native_kernels.get(id(kernel))
+    if entry is None or entry[0] is not kernel:
+        spec = bytes(arg_specialization(kernel))
+        entry = _native_kernels[id(kernel)] = kernel, id(kernel), spec, native.launch
+    key = native.call_class(entry[1], entry[2], device, args, constexprs)
+    record = launch_native.record_of(native, compiled) if key is not None else None
+    if record is not None:
+        _native_calls[key] = record
 
 
 # Triton's interpreter patches triton.language while it runs a kernel: two threads interpreting
@@ -309,6 +341,12 @@ def launch(kernel, grid, *args, **constexprs):
             kernel[grid](*args, **constexprs)
         return
     device = torch._C._cuda_getDevice()  # CUDA is initialized: the arguments are CUDA tensors
+    native = _native_kernels.get(id(kernel))
+    if native is not None and native[0] is kernel and NATIVE_LAUNCHES and not callable(grid) \
+            and not direct.triton_hooks_set(kernel) and native[3](
+                _native_calls, native[1], native[2], device, direct.current_stream(device),
+                grid, args, constexprs):
+        return
     key, addressed = (None, args) if callable(grid) else _call_class(kernel, device, args,
                                                                      constexprs)
     try:
@@ -320,8 +358,10 @@ def launch(kernel, grid, *args, **constexprs):
         run(grid, direct.current_stream(device),
             (addressed if TENSORS_AS_ADDRESSES else args) + tail)
         return
-    run = _resolve_and_launch(kernel, grid, args, constexprs)
+    run, compiled = _resolve_and_launch(kernel, grid, args, constexprs)
     if key is not None and run is not None:
         tail = _constexpr_tail(kernel, args, constexprs)
         if tail is not None:
             _calls[key] = run, tail
+            if compiled is not None:
+                _record_native(kernel, device, args, constexprs, compiled)

@@ -77,6 +77,10 @@ VARIANTS = {"flexplan-fused": {"fuse": True},
             "flexplan-session42-host": {"settings": (
                 ("flexplan.ops.conv", "KEEP_SHAPE_CONFIGS", False),
                 ("flexplan.plan", "SHARED_PINNED_COUNTS", False))},
+            # every launch through launcher's Python path (Triton's C launcher), as before
+            # session 43's native launcher (flexplan/launch_native.py)
+            "flexplan-python-launch": {"settings": (
+                ("flexplan.launcher", "NATIVE_LAUNCHES", False),)},
             "flexplan-no-graph-ops": {"settings": (
                 ("flexplan.plan", "_register_token", lambda plan: None),
                 ("flexplan.nn.spconv_layers", "sparse_conv",
@@ -114,6 +118,8 @@ VARIANT_RATIOS = {
                                  ("flexplan-generic-classes", "fp16"), ("flexplan", "fp16")),
     "flexplan-session42-host": ("flexplan session 42's host path / flexplan fp16",
                                 ("flexplan-session42-host", "fp16"), ("flexplan", "fp16")),
+    "flexplan-python-launch": ("flexplan Python launch path / flexplan fp16",
+                               ("flexplan-python-launch", "fp16"), ("flexplan", "fp16")),
     "flexplan-no-graph-ops": ("flexplan without graph-op costs / flexplan fp16",
                               ("flexplan-no-graph-ops", "fp16"), ("flexplan", "fp16")),
 }

@@ -30,12 +30,20 @@ def per_call_us(fn, reps: int, calls: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def _with_tensors(kernel, grid, a, c) -> None:
-    launcher.TENSORS_AS_ADDRESSES = False
+def _python_path(kernel, grid, a, c) -> None:
+    launcher.NATIVE_LAUNCHES = False
     try:
         launcher.launch(kernel, grid, *a, **c)
     finally:
-        launcher.TENSORS_AS_ADDRESSES = True
+        launcher.NATIVE_LAUNCHES = True
+
+
+def _with_tensors(kernel, grid, a, c) -> None:
+    launcher.TENSORS_AS_ADDRESSES = launcher.NATIVE_LAUNCHES = False
+    try:
+        launcher.launch(kernel, grid, *a, **c)
+    finally:
+        launcher.TENSORS_AS_ADDRESSES = launcher.NATIVE_LAUNCHES = True
 
 
 _STATIC_TYPES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I",
@@ -120,6 +128,7 @@ def main() -> None:
         ("launch_gray_rank(launch, ...)", lambda: launch_gray_rank(
             launcher.launch, nmap, ranks, counts, n, 14, n, v, words, word_bits)),
         ("launcher.launch(kernel, grid, *args)", lambda: launcher.launch(kernel, grid, *a, **c)),
+        ("  the same, Python path (NATIVE_LAUNCHES off)", lambda: _python_path(kernel, grid, a, c)),
         ("  the same, tensors (TENSORS_AS_ADDRESSES off)", lambda: _with_tensors(kernel, grid, a, c)),
         ("_call_key", lambda: launcher._call_key(kernel, dev, a, c)),
         ("_calls.get(key)", lambda: launcher._calls.get(key)),

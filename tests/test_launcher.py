@@ -222,3 +222,72 @@ def test_call_class_hands_addresses_only_for_tensors_on_the_current_gpu():
         args = (here, there, 8, 2.0)
         assert call_class(kernel, 0, args, {"BLOCK": 8})[1] is args
         assert call_class(kernel, 1, (here, here, 8, 2.0), {})[1] == (here, here, 8, 2.0)
+
+
+def _native_or_skip():
+    from flexplan import launch_native
+
+    native = launch_native.module(driver=False)
+    if native is None:
+        pytest.skip(f"native launcher not built: {launch_native.why_not}")
+    return native
+
+
+def test_native_call_classes_equal_the_generic_ones():
+    """The C class (flexplan/launch_native.py) of every call equals launcher's generic one, or
+    is None exactly where the C path steps aside (an int past 64 bits, an argument of another
+    kind, a tensor off the given device): the Python path then launches."""
+    native = _native_or_skip()
+    kernel = JITFunction(_mixed, do_not_specialize=["m"], do_not_specialize_on_alignment=["u", "v"])
+    spec = bytes(launcher.arg_specialization(kernel))
+    t = torch.zeros(64)
+    cases = []
+    for n in (1, 2, 15, 16, 17, 2**31 - 1, 2**31, 2**32, -1, -16, -2**31, -2**31 - 1, 2**62):
+        for m in (1, 16, 2**40):
+            cases.append((t[1:], t, n, m, False, 2.0, 1))
+            cases.append((t, t[2:].to(torch.float16), n, m, True, 1e-3, 32))
+            cases.append((t[4:].to(torch.bfloat16), t[3:], m, n, n == 1, -0.0, 0))
+    for args in cases:
+        for constexprs in ({"BLOCK": 8}, {}, {"BLOCK": 8, "TWICE": True}):
+            got = native.call_class(id(kernel), spec, -1, args, constexprs)  # CPU tensors: -1
+            assert got == launcher._generic_call_class(kernel, -1, args, constexprs)[0], args
+            assert native.call_class(id(kernel), spec, 0, args, constexprs) is None  # off GPU 0
+    here = t.as_subclass(_OnDevice)
+    args = (here, here[1:], 16, 3, True, 0.5, 7)
+    assert native.call_class(id(kernel), spec, 0, args, {}) == launcher._generic_call_class(
+        kernel, 0, args, {})[0]
+    for other in ((t, t, 2**63, 3, True, 0.5, 7), (t, None, 16, 3, True, 0.5, 7),
+                  (t, t, 16, 3, True, 0.5, "7"), (here, t.as_subclass(_OnOtherDevice), 16, 3,
+                                                  True, 0.5, 7)):
+        assert native.call_class(id(kernel), spec, 0, other, {}) is None, other
+
+
+def test_native_records_follow_the_signature():
+    """A binary's record skips constexprs (and ints Triton specialized to 1), takes pointers
+    and scalars in argument order, and refuses what it cannot pack as Triton does."""
+    from types import SimpleNamespace
+
+    from flexplan import launch_native
+
+    native = _native_or_skip()
+    seen = []
+    recorder = SimpleNamespace(record=lambda *a: seen.append(a) or "record")
+
+    def compiled(signature, **meta):
+        run = SimpleNamespace(global_scratch_size=0, profile_scratch_size=0,
+                              launch_cooperative_grid=False, launch_pdl=False)
+        metadata = SimpleNamespace(num_warps=4, shared=1024, num_ctas=1, cluster_dims=(1, 1, 1))
+        for name, value in meta.items():
+            setattr(run if hasattr(run, name) else metadata, name, value)
+        return SimpleNamespace(run=run, metadata=metadata, function=1234,
+                               src=SimpleNamespace(signature=signature))
+
+    sig = {"src": "*fp32", "dst": "*fp16", "n": "i32", "m": "constexpr", "scale": "fp32",
+           "flag": "i1", "big": "i64", "BLOCK": "constexpr"}
+    assert launch_native.record_of(recorder, compiled(sig)) == "record"
+    assert seen == [(1234, 128, 1024, (0, 1, 2, 4, 5, 6), b"ppifbq")]
+    for bad in (compiled(sig, num_ctas=2), compiled(sig, launch_pdl=True),
+                compiled(sig, global_scratch_size=64), compiled(sig, cluster_dims=(2, 1, 1)),
+                compiled({**sig, "half": "fp16"}), compiled({**sig, "desc": "nvTmaDesc"})):
+        assert launch_native.record_of(recorder, bad) is None
+    assert native.record(1234, 128, 0, (0, 2), b"pi") is not None

@@ -246,8 +246,13 @@ static PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     if (cu_ctx_current(&context) != 0 || context == NULL) Py_RETURN_FALSE;
     void *stream = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(a[4]);
     if (PyErr_Occurred()) { PyErr_Clear(); Py_RETURN_FALSE; }
-    int err = cu_launch(r->function, grid[0], grid[1], grid[2], r->threads, 1, 1, r->shared,
-                        stream, params, NULL);
+    int err;
+    Py_INCREF(capsule);  /* the record outlives a forget_calls() while the GIL is released */
+    Py_BEGIN_ALLOW_THREADS  /* as Triton's launchers: a full launch queue blocks here */
+    err = cu_launch(r->function, grid[0], grid[1], grid[2], r->threads, 1, 1, r->shared, stream,
+                    params, NULL);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(capsule);
     if (err != 0) {
         PyErr_Format(PyExc_RuntimeError, "flexplan native launch: cuLaunchKernel error %d", err);
         return NULL;

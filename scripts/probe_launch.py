@@ -13,6 +13,8 @@ import time
 import torch
 
 from flexplan import launcher
+from flexplan import plan as plan_module
+from flexplan.plan import PendingCount
 from flexplan.aot import direct
 from flexplan.planner.segments_triton import launch_gray_rank
 from flexplan.planner.segments_torch import rank_words
@@ -114,6 +116,8 @@ def main() -> None:
     addressed = launcher._call_class(kernel, dev, a, c)[1] + tail
     stream = direct.current_stream(dev)
     x = torch.empty(16, device=device)
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    pinned, event = plan_module._pinned_slot(count.dtype), torch.cuda.Event()
     compiled = kernel[grid](*a, **c)
     static = static_launch(compiled, addressed, grid) if compiled is not None else "no binary"
     if callable(static):  # same results as Triton's launch
@@ -142,6 +146,11 @@ def main() -> None:
         ("kernel[grid](*args) (Triton's own)", lambda: kernel[grid](*a, **c)),
         *([("torch._C._StaticCudaLauncher, addresses", static)] if callable(static) else []),
         ("torch: x.fill_(1.0)", lambda: x.fill_(1.0)),
+        ("PendingCount(count)", lambda: PendingCount(count)),
+        ("  plan._pinned_slot", lambda: plan_module._pinned_slot(count.dtype)),
+        ("  pinned.copy_(count, non_blocking=True)", lambda: pinned.copy_(count, non_blocking=True)),
+        ("  torch.cuda.Event()", torch.cuda.Event),
+        ("  event.record()", lambda: event.record()),
         ("torch: torch.empty(16)", lambda: torch.empty(16, device=device)),
     ]
     print(torch.cuda.get_device_name(), "torch", torch.__version__)

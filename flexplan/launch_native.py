@@ -106,6 +106,7 @@ static PyObject *call_class(PyObject *kid, PyObject *spec, long device, PyObject
             if (gd == NULL) { PyErr_Clear(); goto miss; }
             long on = PyLong_AsLong(gd);
             Py_DECREF(gd);
+            if (on == -1 && PyErr_Occurred()) { PyErr_Clear(); goto miss; }
             if (on != device) goto miss;
             PyObject *p = PyObject_CallMethodNoArgs(a, str_data_ptr);
             if (p == NULL) { PyErr_Clear(); goto miss; }
@@ -131,6 +132,7 @@ static PyObject *call_class(PyObject *kid, PyObject *spec, long device, PyObject
     }
     PyObject *tuple = PyList_AsTuple(key);
     Py_DECREF(key);
+    if (tuple == NULL) PyErr_Clear();
     return tuple;
 miss:
     Py_DECREF(key);
@@ -149,7 +151,9 @@ static PyObject *py_call_class(PyObject *self, PyObject *const *a, Py_ssize_t n)
         PyErr_SetString(PyExc_TypeError, "call_class(kid, spec, device, args, constexprs)");
         return NULL;
     }
-    PyObject *key = call_class(a[0], a[1], PyLong_AsLong(a[2]), a[3], a[4], values);
+    long device = PyLong_AsLong(a[2]);
+    if (device == -1 && PyErr_Occurred()) return NULL;
+    PyObject *key = call_class(a[0], a[1], device, a[3], a[4], values);
     if (key == NULL) Py_RETURN_NONE;
     return key;
 }
@@ -170,7 +174,13 @@ static PyObject *py_record(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     r->count = (int)PyTuple_GET_SIZE(a[3]);
     const char *kinds = PyBytes_AS_STRING(a[4]);
     for (int j = 0; j < r->count; j++) {
-        r->index[j] = (int)PyLong_AsLong(PyTuple_GET_ITEM(a[3], j));
+        long index = PyLong_AsLong(PyTuple_GET_ITEM(a[3], j));
+        if (index < 0 || index >= MAX_ARGS) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "argument index out of range");
+            PyMem_Free(r);
+            return NULL;
+        }
+        r->index[j] = (int)index;
         r->kind[j] = kinds[j];
     }
     if (PyErr_Occurred()) { PyMem_Free(r); return NULL; }
@@ -185,16 +195,17 @@ static int pack(char kind, Value *v, uint64_t *slot) {
         if (!v->is_int) return -1;
         *slot = (uint64_t)v->i;
     } else if (kind == 'i' || kind == 'I') {
-        if (!v->is_int) return -1;
+        /* (a signed value out of range: Triton's launcher raises; the Python path then does) */
+        if (!v->is_int || (kind == 'i' && (v->i < INT32_MIN || v->i > INT32_MAX))) return -1;
         uint32_t x = (uint32_t)v->i; memcpy(slot, &x, 4);
     } else if (kind == 'h' || kind == 'H') {
-        if (!v->is_int) return -1;
+        if (!v->is_int || (kind == 'h' && (v->i < INT16_MIN || v->i > INT16_MAX))) return -1;
         uint16_t x = (uint16_t)v->i; memcpy(slot, &x, 2);
     } else if (kind == 'b' || kind == 'B') {
-        if (!v->is_int) return -1;
+        if (!v->is_int || (kind == 'b' && (v->i < INT8_MIN || v->i > INT8_MAX))) return -1;
         uint8_t x = (uint8_t)v->i; memcpy(slot, &x, 1);
-    } else if (kind == 'f') {
-        float x = v->is_int ? (float)v->i : (float)v->d; memcpy(slot, &x, 4);
+    } else if (kind == 'f') {  /* (an int through double first, as Triton's pack_fp32) */
+        float x = v->is_int ? (float)(double)v->i : (float)v->d; memcpy(slot, &x, 4);
     } else if (kind == 'd') {
         double x = v->is_int ? (double)v->i : v->d; memcpy(slot, &x, 8);
     } else {
@@ -209,33 +220,41 @@ static PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     Value values[MAX_ARGS];
     uint64_t slots[MAX_ARGS];
     void *params[MAX_ARGS];
-    if (n != 8 || !PyDict_Check(a[0]) || !PyBytes_Check(a[2]) || !PyTuple_Check(a[5])
-            || !PyTuple_Check(a[6]) || !PyDict_Check(a[7])) {
+    if (n != 8 || !PyDict_Check(a[0]) || !PyBytes_Check(a[2]) || !PyTuple_Check(a[6])
+            || !PyDict_Check(a[7])) {
         PyErr_SetString(PyExc_TypeError,
                         "launch(calls, kid, spec, device, stream, grid, args, constexprs)");
         return NULL;
     }
-    if (cu_launch == NULL) Py_RETURN_FALSE;
+    if (cu_launch == NULL || !PyTuple_Check(a[5])) Py_RETURN_FALSE;  /* (a list grid: Python) */
     long device = PyLong_AsLong(a[3]);
+    if (device == -1 && PyErr_Occurred()) { PyErr_Clear(); Py_RETURN_FALSE; }
     PyObject *key = call_class(a[1], a[2], device, a[6], a[7], values);
     if (key == NULL) Py_RETURN_FALSE;
     PyObject *capsule = PyDict_GetItemWithError(a[0], key);
     Py_DECREF(key);
     if (capsule == NULL) { PyErr_Clear(); Py_RETURN_FALSE; }
+    Py_INCREF(capsule);  /* held to the end: the grid's ints or another thread may drop it */
+    PyObject *result = Py_False;
     Record *r = PyCapsule_GetPointer(capsule, "flexplan.Record");
-    if (r == NULL) { PyErr_Clear(); Py_RETURN_FALSE; }
+    if (r == NULL) { PyErr_Clear(); goto done; }
     Py_ssize_t nargs = PyTuple_GET_SIZE(a[6]), ngrid = PyTuple_GET_SIZE(a[5]);
     unsigned grid[3] = {1, 1, 1};
-    if (ngrid < 1 || ngrid > 3) Py_RETURN_FALSE;
+    if (ngrid < 1 || ngrid > 3) goto done;
     for (Py_ssize_t g = 0; g < ngrid; g++) {
-        long value = PyLong_AsLong(PyTuple_GET_ITEM(a[5], g));
-        if (value < 0 || PyErr_Occurred()) { PyErr_Clear(); Py_RETURN_FALSE; }
+        PyObject *item = PyTuple_GET_ITEM(a[5], g);
+        if (!PyLong_CheckExact(item)) goto done;  /* (no Python code runs in here) */
+        long value = PyLong_AsLong(item);
+        if (value < 0 || value > INT32_MAX || PyErr_Occurred()) { PyErr_Clear(); goto done; }
         grid[g] = (unsigned)value;
     }
-    if (grid[0] * grid[1] * grid[2] == 0) Py_RETURN_TRUE;  /* as Triton: nothing to run */
+    if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0) {  /* as Triton: nothing to run */
+        result = Py_True;
+        goto done;
+    }
     for (int j = 0; j < r->count; j++) {
         int i = r->index[j];
-        if (i >= nargs || pack(r->kind[j], &values[i], &slots[j]) < 0) Py_RETURN_FALSE;
+        if (i >= nargs || pack(r->kind[j], &values[i], &slots[j]) < 0) goto done;
         params[j] = &slots[j];
     }
     for (int j = r->count; j < r->count + SCRATCH; j++) {
@@ -243,21 +262,24 @@ static PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
         params[j] = &slots[j];
     }
     void *context = NULL;
-    if (cu_ctx_current(&context) != 0 || context == NULL) Py_RETURN_FALSE;
+    if (cu_ctx_current(&context) != 0 || context == NULL) goto done;
     void *stream = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(a[4]);
-    if (PyErr_Occurred()) { PyErr_Clear(); Py_RETURN_FALSE; }
+    if (PyErr_Occurred()) { PyErr_Clear(); goto done; }
     int err;
-    Py_INCREF(capsule);  /* the record outlives a forget_calls() while the GIL is released */
     Py_BEGIN_ALLOW_THREADS  /* as Triton's launchers: a full launch queue blocks here */
     err = cu_launch(r->function, grid[0], grid[1], grid[2], r->threads, 1, 1, r->shared, stream,
                     params, NULL);
     Py_END_ALLOW_THREADS
-    Py_DECREF(capsule);
     if (err != 0) {
+        Py_DECREF(capsule);
         PyErr_Format(PyExc_RuntimeError, "flexplan native launch: cuLaunchKernel error %d", err);
         return NULL;
     }
-    Py_RETURN_TRUE;
+    result = Py_True;
+done:
+    Py_DECREF(capsule);
+    Py_INCREF(result);
+    return result;
 }
 
 /* setup(tensor_type) -> None where the driver library was found, else the reason */

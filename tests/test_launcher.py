@@ -153,6 +153,34 @@ def test_repeated_launches_of_every_class_compute_the_right_thing():
 
 
 @pytest.mark.gpu
+def test_native_launches_compute_what_tritons_launcher_does():
+    """Where the native launcher is built (flexplan/launch_native.py), repeated launches go
+    through it (records made) and compute the same as the Python path; a list grid and a
+    switched-off native path take the Python path."""
+    from flexplan import launch_native
+
+    if launch_native.module() is None:
+        pytest.skip(f"native launcher unavailable: {launch_native.why_not}")
+    kernel = triton.jit(_add_one)
+    base = torch.randn(1000, device="cuda")
+    launcher.forget_calls()
+    for native in (True, False, True):
+        launcher.NATIVE_LAUNCHES = native
+        try:
+            for offset, n, scale, twice, grid in ((0, 1000, 2.0, False, (8,)),
+                                                  (1, 999, 3.0, True, [8]),
+                                                  (3, 17, 1, False, (1, 1))):
+                src = base[offset:offset + n]
+                for _ in range(2):
+                    dst = torch.zeros_like(src)
+                    launcher.launch(kernel, grid, src, dst, n, scale, BLOCK=128, TWICE=twice)
+                    torch.testing.assert_close(dst, src * scale + 1 + twice)
+        finally:
+            launcher.NATIVE_LAUNCHES = True
+    assert any(key[0] == id(kernel) for key in launcher._native_calls)
+
+
+@pytest.mark.gpu
 def test_launch_hooks_see_repeated_launches():
     kernel = triton.jit(_add_one)
     src = torch.randn(256, device="cuda")

@@ -16,7 +16,8 @@ a binary costs its compile, not a fresh process's start-up. A variant this Trito
 compile is recorded as failed (the runtime leaves it to the JIT) instead of stopping the
 build. OUT then holds a bundle: manifest.json plus <target>/<kernel>/<key>.{cubin,hsaco,json}.
 --install copies the bundle into the user cache (flexplan.paths.aot_cache_dir()), where the
-runtime finds it; --wheel packs it as one installable wheel per target (aot/wheel.py), which
+runtime finds it, and builds this machine's native launcher library there
+(flexplan/launch_native.py: bundle-served processes load it instead of compiling); --wheel packs it as one installable wheel per target (aot/wheel.py), which
 the runtime finds once pip-installed.
 """
 from __future__ import annotations
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         from flexplan.aot.bundle import install_bundle
 
         print(f"aot: installed into {install_bundle(out)}")
+        _build_native_launcher()
     if args.wheel:
         from aot.wheel import write_wheels
 
@@ -104,6 +106,17 @@ def main(argv: list[str] | None = None) -> int:
         for path in write_wheels(out, dest, args.targets):
             print(f"aot: wheel {path} (pip install it; `python -m flexplan doctor` lists it)")
     return 0
+
+
+def _build_native_launcher() -> None:
+    """Build this machine's native launcher library (flexplan/launch_native.py) next to the
+    installed bundle, so that bundle-served processes launch through it without compiling."""
+    from flexplan import launch_native
+
+    try:
+        print(f"aot: native launcher {launch_native.build()}")
+    except Exception as exc:  # no C compiler: bundle launches stay on aot.direct's path
+        print(f"aot: native launcher not built ({type(exc).__name__}: {exc})")
 
 
 def _build(ninja: str, out: Path, args) -> int:

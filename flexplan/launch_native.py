@@ -10,16 +10,30 @@ launcher does (flexplan/aot/kernel_params.py: one value per non-constexpr argume
 global and profile scratch pointers) and calls cuLaunchKernel.
 
 It is compiled from the source below by Triton's own helper (triton.runtime.build, the system C
-compiler, cached in Triton's cache directory) the first time a process records a binary, as
-Triton 3.6 compiles its own launchers; a process whose binaries all come from AOT bundles never
-compiles it. Anything unusual (a tensor on another device, an int past 64 bits, an unknown
-argument kind, no current CUDA context, an unrecorded class) returns False and the caller takes
-the Python path, which stays the definition. FLEXPLAN_NATIVE_LAUNCH=0 switches it off.
+compiler) the first time a process JIT-resolves a launch through Triton's launcher, as Triton
+3.6 compiles its own launchers, and kept in flexplan's cache (paths.native_launch_dir, one file
+per source and Python build; read only where no other user can write it, file_trust). A process
+whose binaries all come from AOT bundles (aot/direct.py) never compiles it: it loads the
+library where `python -m aot --install` (or an earlier JIT process on the machine) left it,
+else launches its bundle binaries as before (and only with launcher.NATIVE_BUNDLE_LAUNCHES). Anything unusual (a tensor on another device, an int past 64 bits,
+an unknown argument kind, no current CUDA context, an unrecorded class) returns False and the
+caller takes the Python path, which stays the definition. FLEXPLAN_NATIVE_LAUNCH=0 switches it
+off.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
+import platform
+import shutil
+import sys
+import sysconfig
 import threading
+from pathlib import Path
+
+from .file_trust import untrusted_reason
+from .paths import native_launch_dir
 
 NATIVE_ENV = "FLEXPLAN_NATIVE_LAUNCH"
 MODULE_NAME = "flexplan_native_launch"
@@ -336,30 +350,67 @@ def enabled() -> bool:
     return os.environ.get(NATIVE_ENV, "1") != "0"
 
 
-def module(driver: bool = True):
-    """The compiled module (set up with torch's Tensor type and the CUDA driver), or None;
-    why_not then says why. driver=False: the module even where no driver was found (its
-    call_class, for tests on machines without a GPU). Compiled once per process (Triton's
-    cache keeps the binary between processes)."""
+def module(driver: bool = True, build: bool = True):
+    """The module (set up with torch's Tensor type and the CUDA driver), or None; why_not then
+    says why. driver=False: the module even where no driver was found (its call_class, for
+    tests on machines without a GPU). build=False: only a library already built (a bundle-served
+    process compiles nothing); asked again with build=True, it is built then. Loaded once per
+    process."""
     global _module, why_not
-    if _module is _UNKNOWN:
+    if _module is _UNKNOWN or (_module is None and build and why_not == _NOT_BUILT):
         with _lock:
-            if _module is _UNKNOWN:
-                _module, why_not = _load()
+            if _module is _UNKNOWN or (_module is None and build and why_not == _NOT_BUILT):
+                _module, why_not = _load(build)
     return _module if (why_not is None or not driver) else None
 
 
-def _load():
+_NOT_BUILT = ("not built yet (python -m aot --install builds it; so does the first JIT launch "
+              "on this machine)")
+
+
+def library_path() -> Path:
+    """Where the module's library is kept between processes: one file per source, Python build
+    and machine."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    digest = hashlib.sha256("\0".join((_SOURCE, sys.version, platform.machine(), suffix))
+                            .encode()).hexdigest()[:20]
+    return native_launch_dir() / f"{MODULE_NAME}-{digest}{suffix}"
+
+
+def build() -> Path:
+    """Compile the module (Triton's helper, the system C compiler) and keep its library at
+    library_path() (written atomically); that path."""
+    from triton.runtime.build import compile_module_from_src
+
+    built = compile_module_from_src(_SOURCE, MODULE_NAME)
+    path = library_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    shutil.copyfile(built.__file__, temp)
+    os.replace(temp, path)
+    return path
+
+
+def _load(build_if_missing: bool):
     if not enabled():
         return None, f"{NATIVE_ENV}=0"
     try:
         import torch
-        from triton.runtime.build import compile_module_from_src
 
-        compiled = compile_module_from_src(_SOURCE, MODULE_NAME)
-        return compiled, compiled.setup(torch.Tensor)
-    except Exception as exc:  # no C compiler, no Python headers: the Python path
-        return None, f"not compiled ({type(exc).__name__}: {exc})"
+        path = library_path()
+        distrust = untrusted_reason(path.parent) or untrusted_reason(path)
+        if distrust is not None:
+            return None, f"{path} not loaded: {distrust}"
+        if not path.is_file():
+            if not build_if_missing:
+                return None, _NOT_BUILT
+            path = build()
+        spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        return loaded, loaded.setup(torch.Tensor)
+    except Exception as exc:  # no C compiler, no Python headers, no cache: the Python path
+        return None, f"not built ({type(exc).__name__}: {exc})"
 
 
 def record_of(native, compiled):
@@ -388,3 +439,28 @@ def record_of(native, compiled):
         kinds.append(kind)
     return native.record(compiled.function, 32 * metadata.num_warps, metadata.shared,
                          tuple(indices), "".join(kinds).encode())
+
+
+def direct_record_of(native, binary):
+    """The native record of a bundle binary aot/direct.py loaded (a DirectKernel), or None
+    where its launch is not a plain one: its parameter block as kernel_params lays it out
+    (the layout direct launches use), no scratch, one CTA, no cooperative or PDL launch."""
+    from .aot.kernel_params import is_pointer, kernel_params, struct_code
+
+    cuda, metadata = binary.cuda, binary.metadata
+    if (binary.scratch_kinds or cuda.num_ctas != 1 or metadata.get("launch_cooperative_grid")
+            or metadata.get("launch_pdl")):
+        return None
+    indices, kinds = [], []
+    for param in kernel_params(binary.signature):
+        if is_pointer(param):  # a tensor's address or an int, as the C code packs 'p'
+            kind = "p"
+        elif param.encode is not None:  # fp16 / bf16 scalars: bits the direct launch encodes
+            return None
+        else:  # (the C code's kinds are the struct codes of these storages)
+            kind = struct_code(param)
+        indices.append(param.index)
+        kinds.append(kind)
+    return native.record(cuda.function.value, cuda.threads, cuda.shared, tuple(indices),
+                         "".join(kinds).encode())
+

@@ -50,6 +50,10 @@ _calls: dict = {}
 # Python path (A/B runs, scripts/bench_precision.py; FLEXPLAN_NATIVE_LAUNCH=0: the C module
 # is never built).
 NATIVE_LAUNCHES = True
+# Bundle binaries (aot.direct) through the native launcher too. Off until run on a GPU: the
+# record comes from the same parameter layout direct launches use (launch_native.
+# direct_record_of), but no GPU has run it yet (tests/test_aot_direct_gpu.py has the case).
+NATIVE_BUNDLE_LAUNCHES = False
 _native_calls: dict = {}
 _native_kernels: dict = {}
 
@@ -293,11 +297,11 @@ def _triton_run(compiled):
 
 def _resolve_and_launch(kernel, grid, args: tuple, constexprs: dict):
     """Launch the slow way; return (how this call's binary launches, or None: not repeatable;
-    the Triton CompiledKernel that ran it, or None: a direct bundle launch)."""
+    what ran it: the Triton CompiledKernel, or aot.direct's DirectKernel for a bundle binary)."""
     if _aot_enabled():
         binary = direct.launch(kernel, grid, args, constexprs)
         if binary is not None:
-            return binary.launch, None
+            return binary.launch, binary
         runtime.install()
         compiled = kernel[grid](*args, **constexprs)
         if compiled is None:
@@ -311,13 +315,20 @@ def _resolve_and_launch(kernel, grid, args: tuple, constexprs: dict):
 
 
 
-def _record_native(kernel, device: int, args: tuple, constexprs: dict, compiled) -> None:
-    """Record compiled's binary for this call's class with the native launcher, where it can
-    launch it (Triton 3.6's CUDA launcher without scratch: the one _triton_run calls directly)."""
-    if not (NATIVE_LAUNCHES and _SCRATCH_FREE_CUDA_LAUNCHER
-            and type(compiled.run).__name__ == "CudaLauncher"):
+def _record_native(kernel, device: int, args: tuple, constexprs: dict, served) -> None:
+    """Record the binary that `served` this call for its class with the native launcher, where
+    it can launch it: a binary Triton 3.6's CUDA launcher ran without scratch (the one
+    _triton_run calls directly), or a bundle binary aot.direct launched (where the native
+    library is built already: a bundle-served process compiles nothing)."""
+    if not NATIVE_LAUNCHES:
         return
-    native = launch_native.module()
+    if isinstance(served, direct.DirectKernel):
+        native = launch_native.module(build=False) if NATIVE_BUNDLE_LAUNCHES else None
+        make = launch_native.direct_record_of
+    elif _SCRATCH_FREE_CUDA_LAUNCHER and type(served.run).__name__ == "CudaLauncher":
+        native, make = launch_native.module(), launch_native.record_of
+    else:
+        return
     if native is None:
         return
     entry = _native_kernels.get(id(kernel))
@@ -325,7 +336,7 @@ def _record_native(kernel, device: int, args: tuple, constexprs: dict, compiled)
         spec = bytes(arg_specialization(kernel))
         entry = _native_kernels[id(kernel)] = kernel, id(kernel), spec, native.launch
     key = native.call_class(entry[1], entry[2], device, args, constexprs)
-    record = launch_native.record_of(native, compiled) if key is not None else None
+    record = make(native, served) if key is not None else None
     if record is not None:
         _native_calls[key] = record
 
@@ -358,10 +369,9 @@ def launch(kernel, grid, *args, **constexprs):
         run(grid, direct.current_stream(device),
             (addressed if TENSORS_AS_ADDRESSES else args) + tail)
         return
-    run, compiled = _resolve_and_launch(kernel, grid, args, constexprs)
+    run, served = _resolve_and_launch(kernel, grid, args, constexprs)
     if key is not None and run is not None:
         tail = _constexpr_tail(kernel, args, constexprs)
         if tail is not None:
             _calls[key] = run, tail
-            if compiled is not None:
-                _record_native(kernel, device, args, constexprs, compiled)
+            _record_native(kernel, device, args, constexprs, served)

@@ -44,6 +44,11 @@ def aot_cache_dir() -> Path:
     return cache_root() / "aot"
 
 
+def native_launch_dir() -> Path:
+    """The native launcher's compiled library, per source and Python (flexplan.launch_native)."""
+    return cache_root() / "native"
+
+
 def tuning_dir() -> Path:
     """Autotuned kernel-config tables (flexplan.tuning)."""
     return cache_root() / "tuning"

@@ -6,6 +6,8 @@ JIT), then runs SubMConv3d forward + backward per dtype in three fresh processes
   jit     FLEXPLAN_AOT=0
   triton  the bundle, launched through Triton's launcher (FLEXPLAN_AOT_LAUNCH=triton)
   direct  the bundle, launched directly
+  native  the bundle, repeated launches through flexplan/launch_native.py
+          (launcher.NATIVE_BUNDLE_LAUNCHES)
 """
 from __future__ import annotations
 
@@ -28,19 +30,28 @@ from flexplan.aot import runtime
 from flexplan.nn.submconv import SubMConv3d
 from flexplan.workloads import sphere_shell
 
+import os
+from flexplan import launch_native, launcher
+
+if os.environ.get("NATIVE_BUNDLE_LAUNCHES") == "1":  # the bundle binaries' native records
+    launch_native.build()
+    launcher.NATIVE_BUNDLE_LAUNCHES = True
 res, channels, save = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 coords = sphere_shell(res, device="cuda")
 results = {}
 for name in sys.argv[4:]:
     dtype = getattr(torch, name)
-    gen = torch.Generator().manual_seed(1)
-    feats = torch.randn(len(coords), channels, generator=gen).to("cuda", dtype).requires_grad_()
-    torch.manual_seed(2)
-    conv = SubMConv3d(channels, channels, device="cuda", dtype=dtype)
-    out = conv(SparseTensor(feats, coords, (res, res, res), 1)).feats
-    out.backward(torch.randn(out.shape, generator=gen).to("cuda", dtype))
-    results[name] = [t.detach().cpu() for t in (out, feats.grad, conv.weight.grad, conv.bias.grad)]
-torch.save({"results": results, "stats": dict(runtime.stats)}, save)
+    for _ in range(2):  # the second call repeats every launch (the memo, native records)
+        gen = torch.Generator().manual_seed(1)
+        feats = torch.randn(len(coords), channels, generator=gen).to("cuda", dtype).requires_grad_()
+        torch.manual_seed(2)
+        conv = SubMConv3d(channels, channels, device="cuda", dtype=dtype)
+        out = conv(SparseTensor(feats, coords, (res, res, res), 1)).feats
+        out.backward(torch.randn(out.shape, generator=gen).to("cuda", dtype))
+        results[name] = [t.detach().cpu() for t in (out, feats.grad, conv.weight.grad, conv.bias.grad)]
+native = [launcher._native_kernels[key[0]][0].fn.__name__ for key in launcher._native_calls]
+stats = dict(runtime.stats, native_conv_records=sum(n.startswith("conv_") for n in native))
+torch.save({"results": results, "stats": stats}, save)
 '''
 
 
@@ -65,7 +76,8 @@ def runs(tmp_path_factory):
     base.update(PYTHONPATH=REPO, FLEXPLAN_CACHE_DIR=str(work / "cache"))
     modes = {"jit": {"FLEXPLAN_AOT": "0"},
              "triton": {"FLEXPLAN_AOT_PATH": str(bundle), "FLEXPLAN_AOT_LAUNCH": "triton"},
-             "direct": {"FLEXPLAN_AOT_PATH": str(bundle)}}
+             "direct": {"FLEXPLAN_AOT_PATH": str(bundle)},
+             "native": {"FLEXPLAN_AOT_PATH": str(bundle), "NATIVE_BUNDLE_LAUNCHES": "1"}}
     out = {}
     for mode, env in modes.items():
         save = work / f"{mode}.pt"
@@ -96,3 +108,9 @@ def test_direct_launch_is_bitwise_equal_to_jit(runs):
 
 def test_direct_launch_is_bitwise_equal_to_tritons_launcher(runs):
     _assert_bitwise_equal(runs["direct"]["results"], runs["triton"]["results"])
+
+
+def test_native_bundle_launches_are_bitwise_equal_to_direct_ones(runs):
+    assert runs["native"]["stats"]["native_conv_records"] > 0, runs["native"]["stats"]
+    assert runs["direct"]["stats"]["native_conv_records"] == 0, runs["direct"]["stats"]
+    _assert_bitwise_equal(runs["native"]["results"], runs["direct"]["results"])

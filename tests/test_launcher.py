@@ -319,3 +319,69 @@ def test_native_records_follow_the_signature():
                 compiled({**sig, "half": "fp16"}), compiled({**sig, "desc": "nvTmaDesc"})):
         assert launch_native.record_of(recorder, bad) is None
     assert native.record(1234, 128, 0, (0, 2), b"pi") is not None
+
+
+def test_native_library_is_kept_and_only_loaded_where_trusted(tmp_path, monkeypatch):
+    """The native launcher's library is built into flexplan's cache and loaded from there by
+    later processes; a process that may not compile (bundle-served: build=False) loads it only
+    where it exists, and nothing is loaded from a directory other users can write."""
+    import os
+    import stat
+
+    from flexplan import launch_native
+
+    def fresh_process():
+        monkeypatch.setattr(launch_native, "_module", launch_native._UNKNOWN)
+        monkeypatch.setattr(launch_native, "why_not", None)
+
+    monkeypatch.setenv("FLEXPLAN_CACHE_DIR", str(tmp_path))
+    fresh_process()
+    assert launch_native.module(driver=False, build=False) is None
+    assert launch_native.why_not == launch_native._NOT_BUILT
+    built = launch_native.module(driver=False)  # asked with build=True: built now
+    if built is None:
+        pytest.skip(f"no C compiler here: {launch_native.why_not}")
+    path = launch_native.library_path()
+    assert path.is_file() and path.parent == tmp_path / "native"
+    fresh_process()
+    again = launch_native.module(driver=False, build=False)
+    assert again is not None and os.path.samefile(again.__file__, path)
+    kernel = JITFunction(_one_arg)
+    assert again.call_class(id(kernel), bytes(launcher.arg_specialization(kernel)), -1, (16,),
+                            {}) == launcher._generic_call_class(kernel, -1, (16,), {})[0]
+    os.chmod(path.parent, os.stat(path.parent).st_mode | stat.S_IWOTH)
+    try:
+        fresh_process()
+        assert launch_native.module(driver=False, build=False) is None
+        assert "other users can write it" in launch_native.why_not
+    finally:
+        os.chmod(path.parent, stat.S_IMODE(os.stat(path.parent).st_mode) & ~stat.S_IWOTH)
+
+
+def test_native_records_of_bundle_binaries_follow_their_parameter_block():
+    """A bundle binary's record (launch_native.direct_record_of) takes the parameters in the
+    order and C storage the direct launch packs them (kernel_params), and refuses binaries whose
+    launch is not plain (scratch, clusters, cooperative or PDL launches, 16-bit scalars)."""
+    from ctypes import c_void_p
+    from types import SimpleNamespace
+
+    from flexplan import launch_native
+
+    seen = []
+    recorder = SimpleNamespace(record=lambda *a: seen.append(a) or "record")
+
+    def binary(signature, scratch=(), num_ctas=1, **meta):
+        cuda = SimpleNamespace(function=c_void_p(4321), threads=256, shared=2048,
+                               num_ctas=num_ctas)
+        metadata = {"launch_cooperative_grid": False, "launch_pdl": False, **meta}
+        return SimpleNamespace(cuda=cuda, metadata=metadata, signature=signature,
+                               scratch_kinds=list(scratch))
+
+    sig = {"src": "*fp32", "dst": "*fp16", "n": "i32", "m": "constexpr", "scale": "fp32",
+           "flag": "i1", "big": "i64", "u": "u32", "BLOCK": "constexpr"}
+    assert launch_native.direct_record_of(recorder, binary(sig)) == "record"
+    assert seen == [(4321, 256, 2048, (0, 1, 2, 4, 5, 6, 7), b"ppifbqI")]
+    for bad in (binary(sig, scratch=("global",)), binary(sig, num_ctas=2),
+                binary(sig, launch_cooperative_grid=True), binary(sig, launch_pdl=True),
+                binary({**sig, "half": "fp16"}), binary({**sig, "b": "bf16"})):
+        assert launch_native.direct_record_of(recorder, bad) is None

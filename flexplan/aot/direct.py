@@ -183,10 +183,10 @@ class DirectKernel:
                               f"{binary_param_bytes}")
         if metadata.get("tmem_size", 0) > _MAX_TMEM_COLUMNS:
             raise Unsupported(f"{metadata['tmem_size']} tensor-memory columns")
-        self.metadata = metadata
+        self.metadata, self.signature = metadata, signature
         self.block = ParamBlock(params)
         self._lock = threading.Lock()  # one parameter block: one launch at a time packs it
-        self._scratch_kinds = [kind for kind in ("global", "profile") if metadata[f"{kind}_scratch_size"]]
+        self.scratch_kinds = [kind for kind in ("global", "profile") if metadata[f"{kind}_scratch_size"]]
         self.cuda = CudaKernel(cubin, metadata["name"], device, shared=metadata["shared"],
                                num_warps=metadata["num_warps"], num_ctas=metadata["num_ctas"],
                                cooperative=metadata["launch_cooperative_grid"], pdl=metadata["launch_pdl"])
@@ -196,7 +196,7 @@ class DirectKernel:
         blocks = grid[0] * grid[1] * grid[2] * self.cuda.num_ctas
         if blocks == 0:
             return  # Triton launches nothing for an empty grid
-        scratch, _buffers = self._scratch(blocks, stream) if self._scratch_kinds else ((0, 0), None)
+        scratch, _buffers = self._scratch(blocks, stream) if self.scratch_kinds else ((0, 0), None)
         with self._lock:
             self.cuda.launch(grid, stream, self.block.pack(args, scratch))
 
@@ -208,5 +208,5 @@ class DirectKernel:
         allocators = {"global": _allocation._allocator, "profile": _allocation._profile_allocator}
         buffers = {kind: allocators[kind].get()(blocks * self.metadata[f"{kind}_scratch_size"],
                                                 self.metadata[f"{kind}_scratch_align"], stream)
-                   for kind in self._scratch_kinds}
+                   for kind in self.scratch_kinds}
         return tuple(buffers[kind].data_ptr() if kind in buffers else 0 for kind in allocators), buffers

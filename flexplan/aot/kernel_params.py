@@ -73,6 +73,11 @@ def kernel_params(signature: dict) -> list[Param]:
     return params
 
 
+def is_pointer(param: Param) -> bool:
+    """Does the parameter take a pointer (a tensor's address, an int, or None)?"""
+    return param.encode is _pointer
+
+
 def param_bytes(params: list[Param]) -> list[int]:
     """Sizes of the parameter block's entries, scratch pointers included (compare ptx_param_bytes)."""
     return [ctypes.sizeof(p.ctype) for p in params] + [ctypes.sizeof(ctypes.c_uint64)] * SCRATCH_POINTERS
@@ -83,6 +88,11 @@ _CODE = {ctypes.c_int8: "b", ctypes.c_int16: "h", ctypes.c_int32: "i", ctypes.c_
          ctypes.c_uint8: "B", ctypes.c_uint16: "H", ctypes.c_uint32: "I", ctypes.c_uint64: "Q",
          ctypes.c_float: "f", ctypes.c_double: "d"}
 _SLOT = 8  # bytes per parameter slot: every C value above fits, at its natural alignment
+
+
+def struct_code(param: Param) -> str:
+    """The struct module's code of the parameter's C storage ("i" int32, "Q" uint64, "f" ...)."""
+    return _CODE[param.ctype]
 
 
 class ParamBlock:

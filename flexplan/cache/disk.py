@@ -23,6 +23,7 @@ from pathlib import Path
 import filelock
 
 from ..atomic_write import atomic_write
+from ..file_trust import untrusted_reason
 from .format import SUFFIX, PlanFileError, read_plan, write_plan
 from .key import identity_binding_problem
 
@@ -32,23 +33,6 @@ LOCK_TIMEOUT_S = 120.0
 LOCK_NOTICE_S = 5.0
 _TEMP_PREFIX = ".tmp-"
 _STALE_TEMP_S = 3600.0  # temp files of crashed writers older than this are removed by eviction
-
-
-def untrusted_reason(path: Path) -> str | None:
-    """Why plans under `path` (a directory or a file) must not be read: another user can write
-    it. None where it is ours (or root's) and not group- or world-writable, or does not exist
-    yet (then we create it). No check where the OS has no user ids."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    if not hasattr(os, "getuid"):
-        return None
-    if st.st_uid not in (os.getuid(), 0):
-        return f"it is owned by another user (uid {st.st_uid})"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"other users can write it (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
 
 
 class DiskCache:

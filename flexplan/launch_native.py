@@ -22,6 +22,7 @@ off.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -29,6 +30,7 @@ import platform
 import shutil
 import sys
 import sysconfig
+import tempfile
 import threading
 from pathlib import Path
 
@@ -56,6 +58,7 @@ typedef int (*ctx_fn)(void **);
 static launch_fn cu_launch = NULL;
 static ctx_fn cu_ctx_current = NULL;
 static PyObject *tensor_type = NULL;
+static unsigned long long launched = 0;  /* launches made here (tests: the path was taken) */
 static PyObject *str_data_ptr, *str_dtype, *str_get_device;
 static PyObject *codes[17];
 
@@ -289,6 +292,7 @@ static PyObject *py_launch(PyObject *self, PyObject *const *a, Py_ssize_t n) {
         PyErr_Format(PyExc_RuntimeError, "flexplan native launch: cuLaunchKernel error %d", err);
         return NULL;
     }
+    launched++;
     result = Py_True;
 done:
     Py_DECREF(capsule);
@@ -312,7 +316,12 @@ static PyObject *py_setup(PyObject *self, PyObject *type) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_launched(PyObject *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(launched);
+}
+
 static PyMethodDef methods[] = {
+    {"launched", py_launched, METH_NOARGS, NULL},
     {"call_class", (PyCFunction)(void (*)(void))py_call_class, METH_FASTCALL, NULL},
     {"record", (PyCFunction)(void (*)(void))py_record, METH_FASTCALL, NULL},
     {"launch", (PyCFunction)(void (*)(void))py_launch, METH_FASTCALL, NULL},
@@ -356,14 +365,16 @@ def module(driver: bool = True, build: bool = True):
     tests on machines without a GPU). build=False: only a library already built (a bundle-served
     process compiles nothing); asked again with build=True, it is built then. Loaded once per
     process."""
-    global _module, why_not
-    if _module is _UNKNOWN or (_module is None and build and why_not == _NOT_BUILT):
+    global _module, why_not, _tried_building
+    if _module is _UNKNOWN or (_module is None and build and not _tried_building):
         with _lock:
-            if _module is _UNKNOWN or (_module is None and build and why_not == _NOT_BUILT):
+            if _module is _UNKNOWN or (_module is None and build and not _tried_building):
                 _module, why_not = _load(build)
+                _tried_building = _tried_building or build
     return _module if (why_not is None or not driver) else None
 
 
+_tried_building = False  # whether _load ran with building allowed in this process
 _NOT_BUILT = ("not built yet (python -m aot --install builds it; so does the first JIT launch "
               "on this machine)")
 
@@ -378,39 +389,73 @@ def library_path() -> Path:
 
 
 def build() -> Path:
-    """Compile the module (Triton's helper, the system C compiler) and keep its library at
-    library_path() (written atomically); that path."""
+    """Compile the module and keep its library at library_path(); that path (raises where it
+    cannot be compiled or kept)."""
+    return _keep(_compile())
+
+
+def _compile():
+    """The module compiled by Triton's helper (the system C compiler), loaded."""
     from triton.runtime.build import compile_module_from_src
 
-    built = compile_module_from_src(_SOURCE, MODULE_NAME)
+    return compile_module_from_src(_SOURCE, MODULE_NAME)
+
+
+def _keep(compiled) -> Path:
+    """Write compiled's library to library_path(): a directory and file only this user can
+    write (as the plan cache's: file_trust), through a private temporary file and an atomic
+    rename, so that no reader sees a partial library."""
     path = library_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    shutil.copyfile(built.__file__, temp)
-    os.replace(temp, path)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # (mode 0600)
+    try:
+        with os.fdopen(fd, "wb") as out, open(compiled.__file__, "rb") as library:
+            shutil.copyfileobj(library, out)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
     return path
 
 
 def _load(build_if_missing: bool):
+    """(module or None, why not): the kept library where it is trusted and loads; else, where
+    building is allowed, a fresh build (kept if the cache takes it: a cache that cannot be
+    written costs the next process a build, not this one its native launches). A library that
+    does not load (damaged) is rebuilt the same way."""
     if not enabled():
         return None, f"{NATIVE_ENV}=0"
     try:
         import torch
 
         path = library_path()
-        distrust = untrusted_reason(path.parent) or untrusted_reason(path)
+        distrust = (untrusted_reason(path.parent) or untrusted_reason(path)
+                    or ("it is a symbolic link" if path.is_symlink() else None))
         if distrust is not None:
             return None, f"{path} not loaded: {distrust}"
-        if not path.is_file():
+        loaded, failure = None, _NOT_BUILT
+        if path.is_file():
+            try:
+                spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+                loaded = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(loaded)
+            except Exception as exc:  # a damaged library: built again where allowed
+                loaded, failure = None, f"{path} does not load ({type(exc).__name__}: {exc})"
+        if loaded is None:
             if not build_if_missing:
-                return None, _NOT_BUILT
-            path = build()
-        spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
-        loaded = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(loaded)
+                return None, failure
+            loaded = _compile()
+            with contextlib.suppress(Exception):  # (kept for the next process where it can be)
+                _keep(loaded)
         return loaded, loaded.setup(torch.Tensor)
-    except Exception as exc:  # no C compiler, no Python headers, no cache: the Python path
+    except Exception as exc:  # no C compiler, no Python headers: the Python path
         return None, f"not built ({type(exc).__name__}: {exc})"
+
+
+# Parameters a record can hold (the C code's MAX_ARGS less the two scratch pointers): a kernel
+# with more launches through the Python path.
+MAX_RECORD_PARAMS = 94
 
 
 def record_of(native, compiled):
@@ -437,6 +482,8 @@ def record_of(native, compiled):
             return None
         indices.append(index)
         kinds.append(kind)
+    if len(indices) > MAX_RECORD_PARAMS:
+        return None
     return native.record(compiled.function, 32 * metadata.num_warps, metadata.shared,
                          tuple(indices), "".join(kinds).encode())
 
@@ -461,6 +508,8 @@ def direct_record_of(native, binary):
             kind = struct_code(param)
         indices.append(param.index)
         kinds.append(kind)
+    if len(indices) > MAX_RECORD_PARAMS:
+        return None
     return native.record(cuda.function.value, cuda.threads, cuda.shared, tuple(indices),
                          "".join(kinds).encode())
 

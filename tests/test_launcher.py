@@ -326,26 +326,35 @@ def test_native_library_is_kept_and_only_loaded_where_trusted(tmp_path, monkeypa
     later processes; a process that may not compile (bundle-served: build=False) loads it only
     where it exists, and nothing is loaded from a directory other users can write."""
     import os
+    import shutil
     import stat
+    import subprocess
+    import sys
 
     from flexplan import launch_native
 
     def fresh_process():
         monkeypatch.setattr(launch_native, "_module", launch_native._UNKNOWN)
         monkeypatch.setattr(launch_native, "why_not", None)
+        monkeypatch.setattr(launch_native, "_tried_building", False)
 
     monkeypatch.setenv("FLEXPLAN_CACHE_DIR", str(tmp_path))
     fresh_process()
     assert launch_native.module(driver=False, build=False) is None
     assert launch_native.why_not == launch_native._NOT_BUILT
-    built = launch_native.module(driver=False)  # asked with build=True: built now
-    if built is None:
-        pytest.skip(f"no C compiler here: {launch_native.why_not}")
+    if shutil.which(os.environ.get("CC") or "cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here")
+    os.umask(old_umask := os.umask(0o002))  # (as desktop Linux sets it: group-writable files)
+    try:
+        built = launch_native.module(driver=False)  # asked with build=True: built now
+    finally:
+        os.umask(old_umask)
+    assert built is not None, launch_native.why_not
     path = launch_native.library_path()
     assert path.is_file() and path.parent == tmp_path / "native"
     fresh_process()
-    again = launch_native.module(driver=False, build=False)
-    assert again is not None and os.path.samefile(again.__file__, path)
+    again = launch_native.module(driver=False, build=False)  # kept where it is trusted
+    assert again is not None and os.path.samefile(again.__file__, path), launch_native.why_not
     kernel = JITFunction(_one_arg)
     assert again.call_class(id(kernel), bytes(launcher.arg_specialization(kernel)), -1, (16,),
                             {}) == launcher._generic_call_class(kernel, -1, (16,), {})[0]
@@ -356,6 +365,43 @@ def test_native_library_is_kept_and_only_loaded_where_trusted(tmp_path, monkeypa
         assert "other users can write it" in launch_native.why_not
     finally:
         os.chmod(path.parent, stat.S_IMODE(os.stat(path.parent).st_mode) & ~stat.S_IWOTH)
+    # A damaged library (a new file: the loaded one stays mapped intact; new processes, since
+    # this one keeps the extension it loaded from that path): not loaded, rebuilt where allowed.
+    damaged = path.with_name("damaged")
+    damaged.write_bytes(b"not a library")
+    os.replace(damaged, path)
+    probe = ("from flexplan import launch_native as n; a = n.module(driver=False, build=False); "
+             "print(a is None, n.why_not); print(n.module(driver=False) is not None, n.why_not)")
+    again = ("from flexplan import launch_native as n; "
+             "print(n.module(driver=False, build=False) is not None, n.why_not)")
+    env = dict(os.environ, FLEXPLAN_CACHE_DIR=str(tmp_path))
+    first = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                           text=True, timeout=300)
+    lines = first.stdout.splitlines()
+    assert first.returncode == 0 and len(lines) == 2, first.stdout + first.stderr
+    assert lines[0].startswith("True") and "does not load" in lines[0], lines
+    assert lines[1].startswith("True"), lines
+    second = subprocess.run([sys.executable, "-c", again], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert second.stdout.startswith("True"), second.stdout + second.stderr
+
+
+def test_native_library_still_serves_where_the_cache_cannot_keep_it(tmp_path, monkeypatch):
+    """A cache root that cannot be written (here a file) keeps the library from the next
+    process, not this process's native launches."""
+    import shutil as _shutil
+
+    from flexplan import launch_native
+
+    if _shutil.which("cc") is None and _shutil.which("gcc") is None:
+        pytest.skip("no C compiler here")
+    blocked = tmp_path / "afile"
+    blocked.write_text("")
+    monkeypatch.setenv("FLEXPLAN_CACHE_DIR", str(blocked))
+    monkeypatch.setattr(launch_native, "_module", launch_native._UNKNOWN)
+    monkeypatch.setattr(launch_native, "why_not", None)
+    monkeypatch.setattr(launch_native, "_tried_building", False)
+    assert launch_native.module(driver=False) is not None, launch_native.why_not
 
 
 def test_native_records_of_bundle_binaries_follow_their_parameter_block():

@@ -340,6 +340,7 @@ def test_doctor_lists_the_bundle(bundle, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"bundle:  {out}" in proc.stdout and "usable" in proc.stdout
     assert "launch:  Triton's launcher (" in proc.stdout  # this CPU machine: no libcuda / not Triton 3.6
+    assert "native:  off (" in proc.stdout  # (no driver, or not Triton 3.6: says which)
     assert "precompiled for sm_90: " in proc.stdout and "conv_wgrad_kernel x1" in proc.stdout
     assert "JIT-compiled on first use here: " in proc.stdout
 

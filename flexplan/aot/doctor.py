@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     why_not_direct = direct.unavailable()
     print("launch:  " + ("direct (CUDA driver API through ctypes; no host compiler)" if why_not_direct is None
                          else f"Triton's launcher ({why_not_direct})"))
+    print("native:  " + _native_state())
     runtime.reset()
     bundles = runtime.bundle_summary()
     if not bundles:
@@ -75,6 +76,27 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("JIT-compiled on first use here: none of the registry's variants")
     return 0
+
+
+def _native_state() -> str:
+    """The native launcher (flexplan/launch_native.py) as a process here finds it, without
+    building it."""
+    import torch
+    import triton
+
+    from .. import launch_native, launcher
+    from .launch_abi import mirrors_triton_launcher
+
+    if torch.version.hip:
+        return "off (ROCm: Triton's launcher)"
+    if not mirrors_triton_launcher():
+        return f"off (Triton {triton.__version__}: it follows Triton 3.6's launcher)"
+    native = launch_native.module(build=False)
+    if native is None:
+        return f"off ({launch_native.why_not})"
+    bundles = "on" if launcher.NATIVE_BUNDLE_LAUNCHES else "off (launcher.NATIVE_BUNDLE_LAUNCHES)"
+    return (f"{launch_native.library_path()} (JIT binaries' repeated launches; bundle "
+            f"binaries' {bundles})")
 
 
 def _interpreted() -> bool:

@@ -344,11 +344,6 @@ PyMODINIT_FUNC PyInit_flexplan_native_launch(void) {
 }
 """
 
-# The C storage of each scalar signature type (Triton 3.6's ty_to_cpp; the same table as
-# flexplan/aot/kernel_params.py), as the kinds the C code packs.
-_KINDS = {"i1": "b", "i8": "b", "i16": "h", "i32": "i", "i64": "q", "u1": "B", "u8": "B",
-          "u16": "H", "u32": "I", "u64": "Q", "fp32": "f", "f32": "f", "fp64": "d"}
-
 _lock = threading.Lock()
 _UNKNOWN = object()
 _module = _UNKNOWN
@@ -471,45 +466,36 @@ def record_of(native, compiled):
             or getattr(launcher, "profile_scratch_size", 0)
             or tuple(getattr(metadata, "cluster_dims", (1, 1, 1)) or (1, 1, 1)) != (1, 1, 1)):
         return None
-    indices, kinds = [], []
-    for index, ty in enumerate(compiled.src.signature.values()):
-        if ty == "constexpr":
-            continue
-        if not isinstance(ty, str):
-            return None
-        kind = "p" if ty.startswith("*") else _KINDS.get(ty)
-        if kind is None:  # fp16 / bf16 scalars, descriptors: Triton's launcher
-            return None
-        indices.append(index)
-        kinds.append(kind)
-    if len(indices) > MAX_RECORD_PARAMS:
-        return None
-    return native.record(compiled.function, 32 * metadata.num_warps, metadata.shared,
-                         tuple(indices), "".join(kinds).encode())
+    return _record(native, compiled.function, 32 * metadata.num_warps, metadata.shared,
+                   compiled.src.signature)
 
 
 def direct_record_of(native, binary):
     """The native record of a bundle binary aot/direct.py loaded (a DirectKernel), or None
-    where its launch is not a plain one: its parameter block as kernel_params lays it out
-    (the layout direct launches use), no scratch, one CTA, no cooperative or PDL launch."""
-    from .aot.kernel_params import is_pointer, kernel_params, struct_code
-
+    where its launch is not a plain one (scratch, clusters, cooperative or PDL launches, a type
+    the C code does not pack)."""
     cuda, metadata = binary.cuda, binary.metadata
     if (binary.scratch_kinds or cuda.num_ctas != 1 or metadata.get("launch_cooperative_grid")
             or metadata.get("launch_pdl")):
         return None
-    indices, kinds = [], []
-    for param in kernel_params(binary.signature):
-        if is_pointer(param):  # a tensor's address or an int, as the C code packs 'p'
-            kind = "p"
-        elif param.encode is not None:  # fp16 / bf16 scalars: bits the direct launch encodes
-            return None
-        else:  # (the C code's kinds are the struct codes of these storages)
-            kind = struct_code(param)
-        indices.append(param.index)
-        kinds.append(kind)
-    if len(indices) > MAX_RECORD_PARAMS:
-        return None
-    return native.record(cuda.function.value, cuda.threads, cuda.shared, tuple(indices),
-                         "".join(kinds).encode())
+    return _record(native, cuda.function.value, cuda.threads, cuda.shared, binary.signature)
 
+
+def _record(native, function: int, threads: int, shared: int, signature: dict):
+    """A record of a binary whose compile signature is `signature`: its parameter block as
+    Triton 3.6's launcher lays it out (aot.kernel_params, the one description of it, which the
+    direct launch packs too), or None for a parameter the C code does not pack (16-bit floats,
+    whose bits the launchers encode; descriptors; tuples) or more parameters than it holds."""
+    from .aot.kernel_params import Unsupported, is_pointer, kernel_params, struct_code
+
+    try:
+        params = kernel_params(signature)
+    except Unsupported:
+        return None
+    if len(params) > MAX_RECORD_PARAMS or any(
+            p.encode is not None and not is_pointer(p) for p in params):
+        return None
+    # (the C code's kinds: 'p' for a pointer, else the struct code of the parameter's storage)
+    kinds = "".join("p" if is_pointer(p) else struct_code(p) for p in params)
+    return native.record(function, threads, shared, tuple(p.index for p in params),
+                         kinds.encode())

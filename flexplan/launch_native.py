@@ -15,10 +15,10 @@ compiler) the first time a process JIT-resolves a launch through Triton's launch
 per source and Python build; read only where no other user can write it, file_trust). A process
 whose binaries all come from AOT bundles (aot/direct.py) never compiles it: it loads the
 library where `python -m aot --install` (or an earlier JIT process on the machine) left it,
-else launches its bundle binaries as before (and only with launcher.NATIVE_BUNDLE_LAUNCHES). Anything unusual (a tensor on another device, an int past 64 bits,
-an unknown argument kind, no current CUDA context, an unrecorded class) returns False and the
-caller takes the Python path, which stays the definition. FLEXPLAN_NATIVE_LAUNCH=0 switches it
-off.
+and launches bundle binaries through it only with launcher.NATIVE_BUNDLE_LAUNCHES. Anything
+unusual (a tensor on another device, an int past 64 bits, an unknown argument kind, a list
+grid, no current CUDA context, an unrecorded class) returns False and the caller takes the
+Python path, which stays the definition. FLEXPLAN_NATIVE_LAUNCH=0 switches it off.
 """
 from __future__ import annotations
 
@@ -40,8 +40,9 @@ from .paths import native_launch_dir
 NATIVE_ENV = "FLEXPLAN_NATIVE_LAUNCH"
 MODULE_NAME = "flexplan_native_launch"
 
-# Per-argument specialization codes, as flexplan.launcher writes them (SPECIALIZED,
-# NO_ALIGNMENT, NOT_SPECIALIZED).
+# The C source. A kernel's `spec` bytes hold launcher.arg_specialization's codes per parameter
+# (0 SPECIALIZED, 1 NO_ALIGNMENT, 2 NOT_SPECIALIZED); the class codes (7, 10-13, 16, a pointer's
+# address & 15) are launcher._generic_call_class's.
 _SOURCE = r"""
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

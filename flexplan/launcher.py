@@ -313,8 +313,6 @@ def _resolve_and_launch(kernel, grid, args: tuple, constexprs: dict):
     return (_triton_run(compiled), compiled) if compiled is not None else (None, None)
 
 
-
-
 def _record_native(kernel, device: int, args: tuple, constexprs: dict, served) -> None:
     """Record the binary that `served` this call for its class with the native launcher, where
     it can launch it: a binary Triton 3.6's CUDA launcher ran without scratch (the one

@@ -93,36 +93,24 @@ BASE_RATIOS = (
     ("spconv fp16 / flexplan fp16", ("spconv", "fp16"), ("flexplan", "fp16")),
     ("spconv amp / flexplan amp", ("spconv", "amp-fp16"), ("flexplan", "amp-fp16")),
 )
-VARIANT_RATIOS = {
-    "flexplan-fused": ("flexplan fused / flexplan fp16 (inference)", ("flexplan-fused", "fp16"),
-                       ("flexplan", "fp16")),
-    "flexplan-synced-pairs": ("flexplan synced pairs / flexplan fp16 (training)",
-                              ("flexplan-synced-pairs", "fp16"), ("flexplan", "fp16")),
-    "flexplan-recorded-order": ("flexplan recorded order / flexplan fp16",
-                                ("flexplan-recorded-order", "fp16"), ("flexplan", "fp16")),
-    "flexplan-scheduled-bwd-maps": ("flexplan scheduled bwd maps / flexplan fp16",
-                                    ("flexplan-scheduled-bwd-maps", "fp16"), ("flexplan", "fp16")),
-    "flexplan-scheduled-first-sightings": ("flexplan scheduled first sightings / flexplan fp16",
-                                           ("flexplan-scheduled-first-sightings", "fp16"),
-                                           ("flexplan", "fp16")),
-    "flexplan-implicit-unscheduled": ("flexplan implicit over unscheduled maps / flexplan fp16",
-                                      ("flexplan-implicit-unscheduled", "fp16"),
-                                      ("flexplan", "fp16")),
-    "flexplan-unfused-blocks": ("flexplan unfused blocks / flexplan fp16",
-                                ("flexplan-unfused-blocks", "fp16"), ("flexplan", "fp16")),
-    "flexplan-floor-conv": ("flexplan with a floor conv op / flexplan fp16",
-                            ("flexplan-floor-conv", "fp16"), ("flexplan", "fp16")),
-    "flexplan-tensor-args": ("flexplan tensor args / flexplan fp16",
-                             ("flexplan-tensor-args", "fp16"), ("flexplan", "fp16")),
-    "flexplan-generic-classes": ("flexplan generic classes / flexplan fp16",
-                                 ("flexplan-generic-classes", "fp16"), ("flexplan", "fp16")),
-    "flexplan-session42-host": ("flexplan session 42's host path / flexplan fp16",
-                                ("flexplan-session42-host", "fp16"), ("flexplan", "fp16")),
-    "flexplan-python-launch": ("flexplan Python launch path / flexplan fp16",
-                               ("flexplan-python-launch", "fp16"), ("flexplan", "fp16")),
-    "flexplan-no-graph-ops": ("flexplan without graph-op costs / flexplan fp16",
-                              ("flexplan-no-graph-ops", "fp16"), ("flexplan", "fp16")),
+# Each variant against flexplan fp16: (label, variant run, flexplan fp16 run).
+_VARIANT_LABELS = {
+    "flexplan-fused": "flexplan fused / flexplan fp16 (inference)",
+    "flexplan-synced-pairs": "flexplan synced pairs / flexplan fp16 (training)",
+    "flexplan-recorded-order": "flexplan recorded order / flexplan fp16",
+    "flexplan-scheduled-bwd-maps": "flexplan scheduled bwd maps / flexplan fp16",
+    "flexplan-scheduled-first-sightings": "flexplan scheduled first sightings / flexplan fp16",
+    "flexplan-implicit-unscheduled": "flexplan implicit over unscheduled maps / flexplan fp16",
+    "flexplan-unfused-blocks": "flexplan unfused blocks / flexplan fp16",
+    "flexplan-floor-conv": "flexplan with a floor conv op / flexplan fp16",
+    "flexplan-tensor-args": "flexplan tensor args / flexplan fp16",
+    "flexplan-generic-classes": "flexplan generic classes / flexplan fp16",
+    "flexplan-session42-host": "flexplan session 42's host path / flexplan fp16",
+    "flexplan-python-launch": "flexplan Python launch path / flexplan fp16",
+    "flexplan-no-graph-ops": "flexplan without graph-op costs / flexplan fp16",
 }
+VARIANT_RATIOS = {name: (label, (name, "fp16"), ("flexplan", "fp16"))
+                  for name, label in _VARIANT_LABELS.items()}
 
 
 class _FloorConv(torch.autograd.Function):

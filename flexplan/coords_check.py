@@ -10,6 +10,7 @@ import torch
 from .compile_boundary import opaque
 from .coords_hash import digest_identity, known_identity, lanes_to_digest, remember_identity
 from .device_guard import on_device_of
+from .tensor_memo import TensorMemo
 
 
 class SparseTensorError(ValueError):
@@ -41,16 +42,42 @@ def raise_coords_problems(coords: torch.Tensor, spatial_shape: tuple[int, int, i
             "pass merge_duplicates=True to SparseTensor to sum their features")
 
 
+# The grids (spatial shape, batch size) each unmodified coordinate tensor passed the whole
+# check on (range and duplicates): the same tensor handed again, e.g. the same coordinates
+# wrapped in a new sparse tensor every call, is not checked again (no launch, no host sync).
+_passed = TensorMemo()
+
+
 @opaque
 def check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batch_size: int,
                  check_duplicates: bool = True) -> bytes | None:
     """Validate coords against the grid; raise SparseTensorError with the first offending row.
-    Returns the coordinates' identity where the check computed it (read in its sync), else
-    None."""
+    Returns the coordinates' identity where the check computed it (read in its sync) or knew
+    it, else None. A tensor that passed on this grid before, unmodified since, is not checked
+    again."""
     check_coords_layout(coords)
     n = coords.shape[0]
     if n == 0:
         return
+    grid = (tuple(spatial_shape), int(batch_size))
+    passed = _passed.get(coords) if check_duplicates else None
+    if passed is not None and grid in passed:
+        return known_identity(coords)
+    identity = _check_coords(coords, grid[0], grid[1], check_duplicates)
+    if check_duplicates:  # (only the whole check counts as passed)
+        _passed.put(coords, _with_grid(passed, grid))
+    return identity
+
+
+def _with_grid(grids: frozenset | None, grid: tuple) -> frozenset:
+    """grids and grid (a tensor checked on a few grids keeps them all, up to 8)."""
+    grids = grids or frozenset()
+    return grids | {grid} if len(grids) < 8 else frozenset({grid})
+
+
+def _check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], batch_size: int,
+                  check_duplicates: bool) -> bytes | None:
+    n = coords.shape[0]
     if check_duplicates and coords.is_cuda:
         # One hash insert pass finds both, without sorting; the coordinates' identity (the plan
         # cache's name for them) is hashed alongside and read in the same host sync.

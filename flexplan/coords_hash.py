@@ -14,7 +14,6 @@ same host sync as its verdict and leaves it here.
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import torch
 
@@ -22,6 +21,9 @@ from .device_guard import on_device_of
 from .kernels_src import plan_hash
 from .launch_spec import INT64, SIZE
 from .launcher import launch
+from .tensor_memo import TensorMemo
+
+
 def _signed(value: int) -> int:
     """A 64-bit constant as the int64 torch holds it."""
     return value - (1 << 64) if value >= 1 << 63 else value
@@ -121,20 +123,15 @@ def coords_digest(coords: torch.Tensor, use_triton: bool | None = None) -> tuple
     return lanes_to_digest(digest_lanes(coords, use_triton).tolist())
 
 
-# Identities of coordinate tensors already hashed, by object: the same tensor (same storage
-# version) hashes once. A weak reference: a freed tensor's id may be reused by another.
-_identities: dict[int, tuple[weakref.ref, int, bytes]] = {}
+# Identities of coordinate tensors already hashed, by object and version: the same unmodified
+# tensor hashes once.
+_identities = TensorMemo()
 
 
 def known_identity(coords: torch.Tensor) -> bytes | None:
     """coords' identity if it was computed for this tensor object, not modified since (its
     version counter); else None."""
-    if coords.is_inference():  # (no version counter: never remembered, below)
-        return None
-    known = _identities.get(id(coords))
-    if known is not None and known[0]() is coords and known[1] == coords._version:
-        return known[2]
-    return None
+    return _identities.get(coords)
 
 
 def coords_identity(coords: torch.Tensor) -> bytes:
@@ -152,11 +149,4 @@ def remember_identity(coords: torch.Tensor, identity: bytes) -> None:
     """Record coords' identity (computed elsewhere, e.g. with the coordinate check's readback).
     Not for inference tensors (made under torch.inference_mode): they keep no version counter,
     so a change in place could not be told; they are hashed again when asked."""
-    if coords.is_inference():
-        return
-    ident = id(coords)
-    try:
-        ref = weakref.ref(coords, lambda _, ident=ident: _identities.pop(ident, None))
-    except TypeError:  # a tensor subclass without weak references: hashed every time
-        return
-    _identities[ident] = (ref, coords._version, identity)
+    _identities.put(coords, identity)

@@ -147,3 +147,63 @@ def test_tensors_made_under_inference_mode(device):
                                                           2).coords_identity()
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got2d.features, want2d.features)
+
+
+def test_passed_check_remembered_until_changed(device, monkeypatch):
+    """An unmodified coordinate tensor that passed the check on a grid is not checked again on
+    that grid (no device work); a change in place, another grid or batch size, or an inference
+    tensor is checked again, and the errors still come."""
+    from flexplan import coords_check
+
+    checks = []
+    real = coords_check._check_coords
+    monkeypatch.setattr(coords_check, "_check_coords",
+                        lambda *args: checks.append(args[1:]) or real(*args))
+    coords = _coords(device)
+    SparseTensor(_feats(device=device), coords, SHAPE)
+    SparseTensor(_feats(device=device), coords, SHAPE, batch_size=2)
+    check_coords(coords, SHAPE, 2)
+    assert len(checks) == 1
+    with pytest.raises(SparseTensorError, match="outside batch_size=2, spatial_shape=\\(5, 6, 6\\)"):
+        check_coords(coords, (5, 6, 6), 2)  # a smaller grid: checked, and row 1 is outside it
+    with pytest.raises(SparseTensorError, match="outside batch_size=1"):
+        check_coords(coords, SHAPE, 1)
+    check_coords(coords, SHAPE, 2, check_duplicates=False)  # (a partial check: not remembered)
+    assert len(checks) == 4
+    check_coords(coords, SHAPE, 2)
+    assert len(checks) == 4
+    coords[3] = coords[2]  # a duplicate made in place: the version moves, checked again
+    with pytest.raises(SparseTensorError, match="duplicate coordinate"):
+        SparseTensor(_feats(device=device), coords, SHAPE)
+    coords[3, 3] = 5
+    check_coords(coords, SHAPE, 2)
+    coords.add_(0)  # an in-place op that leaves the values: still a new version
+    check_coords(coords, SHAPE, 2)
+    assert len(checks) == 7
+    with torch.inference_mode():
+        frozen = _coords(device)
+        check_coords(frozen, SHAPE, 2)
+        check_coords(frozen, SHAPE, 2)
+    assert len(checks) == 9
+
+
+def test_2d_indices_wrapped_again_share_coords(device):
+    """The same unmodified 2D indices wrapped again give the same 3D coords object (so its
+    identity and passed check are reused); after a change in place they are made (and
+    checked) again."""
+    import flexplan.nn.spconv as spconv
+
+    pillars = torch.tensor([[0, 1, 2], [0, 3, 4], [1, 1, 2]], dtype=torch.int32, device=device)
+    feats = _feats(3, device=device)
+    a = spconv.SparseConvTensor(feats, pillars, (5, 6), 2)
+    b = spconv.SparseConvTensor(feats, pillars, (5, 6), 2)
+    assert a.coords is b.coords and torch.equal(b.indices, pillars)
+    pillars[2, 0] = 0  # now equal to row 0: a duplicate
+    with pytest.raises(SparseTensorError, match="duplicate coordinate"):
+        spconv.SparseConvTensor(feats, pillars, (5, 6), 2)
+    pillars[2, 1] = 4
+    c = spconv.SparseConvTensor(feats, pillars, (5, 6), 2)
+    assert c.coords is not a.coords and torch.equal(c.indices, pillars)
+    c.coords[0, 1] = 9  # the coords changed behind the memo: not handed out again
+    d = spconv.SparseConvTensor(feats, pillars, (5, 6), 2)
+    assert d.coords is not c.coords and torch.equal(d.indices, pillars)

@@ -21,6 +21,24 @@ from ..plan import ConvPlan
 from ..cache import refine_plan
 from ..planner.generative import bwd_from_fwd, inverse_plan
 from ..sparse_tensor import Plans, SparseTensor, SparseTensorError
+from ..tensor_memo import TensorMemo
+
+
+# A 2D / 1D indices tensor's 3D coords, per unmodified indices tensor: the same indices
+# wrapped again (a new tensor per call over the same pillars) get the same coords object, so
+# its remembered identity and passed checks (tensor_memo) serve them with no device work.
+_with_unit_axes = TensorMemo()
+
+
+def with_unit_axes(indices: torch.Tensor, ndim: int) -> torch.Tensor:
+    """indices [N, 1 + ndim] as [N, 4] coords, the unit axes at 0 (dtype kept)."""
+    known = _with_unit_axes.get(indices)
+    if known is not None and known[1] == known[0]._version:  # (and those coords unchanged)
+        return known[0]
+    coords = torch.nn.functional.pad(indices, (0, 3 - ndim))
+    if not coords.is_inference():
+        _with_unit_axes.put(indices, (coords, coords._version))
+    return coords
 
 
 @dataclass(eq=False)
@@ -86,7 +104,7 @@ class SparseConvTensor(SparseTensor):
                 raise SparseTensorError(f"[N, {ndim + 1}] indices are {ndim}D: spatial_shape "
                                         f"needs {ndim} entries, got {tuple(spatial_shape)}")
             self._ndim = ndim
-            indices = torch.nn.functional.pad(indices, (0, 3 - ndim))  # unit axes at 0 (dtype kept)
+            indices = with_unit_axes(indices, ndim)
             spatial_shape = (*spatial_shape, *(1,) * (3 - ndim))
         super().__init__(features, indices, spatial_shape, int(batch_size), check=check)
 
@@ -136,7 +154,7 @@ class SparseConvTensor(SparseTensor):
     @indices.setter
     def indices(self, value: torch.Tensor) -> None:
         if self._ndim < 3 and value.dim() == 2 and value.shape[1] == 1 + self._ndim:
-            value = torch.nn.functional.pad(value, (0, 3 - self._ndim))
+            value = with_unit_axes(value, self._ndim)
         self.coords = value
         self._plans = Plans()
 

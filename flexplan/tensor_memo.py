@@ -1,0 +1,51 @@
+"""Values remembered per tensor object while the tensor is unmodified, at the bottom of the
+package (it imports nothing of flexplan).
+
+An entry holds a weak reference to its tensor and the tensor's version counter when the value
+was put: a get answers only for the same living object at the same version, so a change in
+place (which bumps the counter) or a freed tensor whose id another took both miss. Inference
+tensors (made under torch.inference_mode) keep no version counter and are never remembered.
+A tensor subclass that takes no weak reference is not remembered either.
+
+Used for what costs device work or a host sync to learn about a coordinate tensor: its
+identity (coords_hash), the grids it passed the coordinate check on (coords_check), a 2D / 1D
+tensor's indices with the unit axes added (nn.sparse_conv_tensor).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+class TensorMemo:
+    """One value per tensor object and version (see the module's docstring)."""
+
+    __slots__ = ("_entries", "__weakref__")
+
+    def __init__(self):
+        self._entries: dict[int, tuple[weakref.ref, int, object]] = {}
+
+    def get(self, tensor: torch.Tensor):
+        """The value put for this tensor object at its current version, else None."""
+        if tensor.is_inference():
+            return None
+        entry = self._entries.get(id(tensor))
+        if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+            return entry[2]
+        return None
+
+    def put(self, tensor: torch.Tensor, value) -> None:
+        """Remember value for tensor at its current version (replacing what was there)."""
+        if tensor.is_inference():
+            return
+        ident, entries = id(tensor), self._entries
+        try:
+            # (the entry leaves with its tensor: the callback runs before the id can be reused)
+            ref = weakref.ref(tensor, lambda _, ident=ident: entries.pop(ident, None))
+        except TypeError:
+            return
+        entries[ident] = (ref, tensor._version, value)
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -50,10 +50,11 @@ _calls: dict = {}
 # Python path (A/B runs, scripts/bench_precision.py; FLEXPLAN_NATIVE_LAUNCH=0: the C module
 # is never built).
 NATIVE_LAUNCHES = True
-# Bundle binaries (aot.direct) through the native launcher too. Off until run on a GPU: the
-# record comes from the same parameter layout direct launches use (launch_native.
-# direct_record_of), but no GPU has run it yet (tests/test_aot_direct_gpu.py has the case).
-NATIVE_BUNDLE_LAUNCHES = False
+# Bundle binaries (aot.direct) through the native launcher too: records from the parameter
+# layout direct launches use (launch_native.direct_record_of), bitwise equal to direct launches
+# on an H200 (tests/test_aot_direct_gpu.py). False: bundle binaries launch through aot.direct's
+# own path (A/B runs).
+NATIVE_BUNDLE_LAUNCHES = True
 _native_calls: dict = {}
 _native_kernels: dict = {}
 

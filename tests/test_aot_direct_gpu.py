@@ -2,12 +2,11 @@
 API give bitwise the results of Triton's JIT and of Triton's own launcher on the same binaries.
 
 Builds a small bundle for this GPU (the conv kernels at 16 channels; the planner kernels stay
-JIT), then runs SubMConv3d forward + backward per dtype in three fresh processes:
+JIT), then runs SubMConv3d forward + backward per dtype in four fresh processes:
   jit     FLEXPLAN_AOT=0
   triton  the bundle, launched through Triton's launcher (FLEXPLAN_AOT_LAUNCH=triton)
-  direct  the bundle, launched directly
-  native  the bundle, repeated launches through flexplan/launch_native.py
-          (launcher.NATIVE_BUNDLE_LAUNCHES)
+  direct  the bundle, launched directly (launcher.NATIVE_BUNDLE_LAUNCHES off)
+  native  the bundle, repeated launches through flexplan/launch_native.py (the default)
 """
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ from flexplan.workloads import sphere_shell
 import os
 from flexplan import launch_native, launcher
 
-if os.environ.get("NATIVE_BUNDLE_LAUNCHES") == "1":  # the bundle binaries' native records
-    launcher.NATIVE_BUNDLE_LAUNCHES = True
+if os.environ.get("NATIVE_BUNDLE_LAUNCHES") == "0":  # (the default: bundle binaries native)
+    launcher.NATIVE_BUNDLE_LAUNCHES = False
 res, channels, save = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 coords = sphere_shell(res, device="cuda")
 results = {}
@@ -77,8 +76,8 @@ def runs(tmp_path_factory):
     base.update(PYTHONPATH=REPO, FLEXPLAN_CACHE_DIR=str(work / "cache"))
     modes = {"jit": {"FLEXPLAN_AOT": "0"},
              "triton": {"FLEXPLAN_AOT_PATH": str(bundle), "FLEXPLAN_AOT_LAUNCH": "triton"},
-             "direct": {"FLEXPLAN_AOT_PATH": str(bundle)},
-             "native": {"FLEXPLAN_AOT_PATH": str(bundle), "NATIVE_BUNDLE_LAUNCHES": "1"}}
+             "direct": {"FLEXPLAN_AOT_PATH": str(bundle), "NATIVE_BUNDLE_LAUNCHES": "0"},
+             "native": {"FLEXPLAN_AOT_PATH": str(bundle)}}
     # The native launcher's library, built once into the shared cache (as `python -m aot
     # --install` does): the bundle-served processes load it without compiling.
     prebuild = subprocess.run([sys.executable, "-c", "from flexplan import launch_native; "

@@ -164,7 +164,8 @@ def test_passed_check_remembered_until_changed(device, monkeypatch):
     SparseTensor(_feats(device=device), coords, SHAPE, batch_size=2)
     check_coords(coords, SHAPE, 2)
     assert len(checks) == 1
-    with pytest.raises(SparseTensorError, match="outside batch_size=2, spatial_shape=\\(5, 6, 6\\)"):
+    with pytest.raises(SparseTensorError,
+                       match="outside batch_size=2, spatial_shape=\\(5, 6, 6\\)"):
         check_coords(coords, (5, 6, 6), 2)  # a smaller grid: checked, and row 1 is outside it
     with pytest.raises(SparseTensorError, match="outside batch_size=1"):
         check_coords(coords, SHAPE, 1)

@@ -60,6 +60,10 @@ def main() -> int:
                              "processes cost each other, with no collective")
     parser.add_argument("--pin-cpus", action="store_true",
                         help="each rank on its own share of the CPUs (Job.pin_cpus)")
+    parser.add_argument("--profile", default="",
+                        help="a file prefix: rank 0's timed window of each run under "
+                             "torch.profiler (CPU side), its table in PREFIX-<library>-<world>.txt "
+                             "(window timing only)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     if args.no_ddp:
@@ -88,7 +92,9 @@ def main() -> int:
                                 scans_per_rank=args.scans_per_rank, steps=args.steps,
                                 warmup=args.warmup, sync_bn=not args.no_sync_bn,
                                 sync_bn_impl=impl, timing=args.timing, ddp=not args.no_ddp,
-                                pin_cpus=args.pin_cpus)
+                                pin_cpus=args.pin_cpus,
+                                profile=f"{args.profile}-{library}-{world}.txt"
+                                if args.profile else "")
             try:
                 results = ddp_train.run(world, job)
             except Exception as exc:  # noqa: BLE001 - a peer that fails is a row, not a stop

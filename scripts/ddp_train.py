@@ -11,6 +11,7 @@ run(world_size, job) spawns the ranks and returns what each rank's job wrote (a 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -52,6 +53,9 @@ class Job:
     ddp: bool = True  # False: each rank trains its own model alone, no collective (host and
     #                   machine contention between the ranks' processes, nothing else)
     pin_cpus: bool = False  # each rank on its own share of this process's CPUs (in order)
+    # a file: rank 0's timed steps run under torch.profiler (CPU side: host calls, CUDA API
+    # calls such as synchronizations, collectives) and its table is written there
+    profile: str = ""
 
 
 def namespace(library: str):
@@ -146,11 +150,17 @@ def _train(rank: int, world_size: int, job: Job, device: torch.device) -> dict:
     if job.timing == "window":
         torch.cuda.synchronize(device)
         dist.barrier()
+        profiler = _profiler(job, rank)
         start = time.perf_counter()
-        for b in batches[job.warmup:]:
-            train_step(model, loss_fn, opt, b, sp, job.scans_per_rank)
-        torch.cuda.synchronize(device)
+        with profiler or contextlib.nullcontext():
+            for b in batches[job.warmup:]:
+                train_step(model, loss_fn, opt, b, sp, job.scans_per_rank)
+            torch.cuda.synchronize(device)
         times = [(time.perf_counter() - start) / job.steps] * job.steps
+        if profiler is not None:
+            table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+            with open(job.profile, "w") as f:
+                f.write(f"rank {rank} of {world_size}, {job.steps} steps\n{table}\n")
     elif job.timing == "step":
         for b in batches[job.warmup:]:
             torch.cuda.synchronize(device)
@@ -163,6 +173,14 @@ def _train(rank: int, world_size: int, job: Job, device: torch.device) -> dict:
         raise ValueError(f"timing {job.timing!r}: 'step' or 'window'")
     voxels = sum(b.indices.shape[0] for b in batches[job.warmup:]) / job.steps
     return {"times": times, "voxels": voxels, "compiles": _compiles() - compiles_before}
+
+
+def _profiler(job: Job, rank: int):
+    """torch.profiler over rank 0's timed window (Job.profile), CPU activity only (the host's
+    calls: where a host-bound rank's time goes), else None."""
+    if not job.profile or rank != 0:
+        return None
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
 
 def _compiles() -> int:

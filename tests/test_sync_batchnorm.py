@@ -588,3 +588,28 @@ def test_two_nccl_ranks_equal_torch_sync_batchnorm_without_syncs():
     for r in results:
         for n, p in model.named_parameters():
             torch.testing.assert_close(r["ddp"]["grads"][n], p.grad, rtol=1e-9, atol=1e-9)
+
+
+def test_all_reduce_sum_goes_through_the_groups_own_allreduce(monkeypatch):
+    """The layer's collectives call the process group's allreduce (a SUM, then the wait), not
+    dist.all_reduce's Python wrapper; with the switch off, dist.all_reduce."""
+    from flexplan.nn import sync_batchnorm
+
+    calls = []
+
+    class Work:
+        def wait(self):
+            calls.append("wait")
+
+    class Group:
+        def allreduce(self, tensors, opts):
+            calls.append((tensors, opts.reduceOp))
+            return Work()
+
+    t = torch.ones(3)
+    sync_batchnorm.all_reduce_sum(t, Group())
+    assert calls[0][0][0] is t and calls[0][1] == dist.ReduceOp.SUM and calls[1] == "wait"
+    monkeypatch.setattr(sync_batchnorm, "direct_all_reduce", False)
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op, group: calls.append((tensor, op)))
+    sync_batchnorm.all_reduce_sum(t, Group())
+    assert calls[2] == (t, dist.ReduceOp.SUM) and len(calls) == 3

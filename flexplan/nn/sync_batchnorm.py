@@ -182,8 +182,8 @@ def all_reduce_sum(tensor: torch.Tensor, group) -> None:
         dist.all_reduce(tensor, dist.ReduceOp.SUM, group)
 
 
-# False: every collective through dist.all_reduce (A/B runs).
-direct_all_reduce = True
+# False (or FLEXPLAN_SYNC_BN_DIRECT=0): every collective through dist.all_reduce (A/B runs).
+direct_all_reduce = os.environ.get("FLEXPLAN_SYNC_BN_DIRECT", "1").strip() != "0"
 _SUM_OPTIONS = []
 
 

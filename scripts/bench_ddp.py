@@ -60,10 +60,16 @@ def main() -> int:
                              "processes cost each other, with no collective")
     parser.add_argument("--pin-cpus", action="store_true",
                         help="each rank on its own share of the CPUs (Job.pin_cpus)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every (library, world size) this many times, in turn (world "
+                             "sizes alternating): each round's scaling is against the same "
+                             "round's 1-GPU run, minutes apart at most; the medians over rounds "
+                             "are reported too (runs of one configuration minutes apart have "
+                             "differed by 20-40% on the same machine)")
     parser.add_argument("--profile", default="",
                         help="a file prefix: rank 0's timed window of each run under "
-                             "torch.profiler (CPU side), its table in PREFIX-<library>-<world>.txt "
-                             "(window timing only)")
+                             "torch.profiler (CPU side), its table in "
+                             "PREFIX-<library>-<world>[-r<round>].txt (window timing only)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     if args.no_ddp:
@@ -84,33 +90,35 @@ def main() -> int:
     rows = []
     runs = [(library, impl) for library in args.libraries.split(",")
             for impl in (impls if library == "flexplan" and not args.no_sync_bn else ["torch"])]
-    for library, impl in runs:
+    schedule = [(rnd, library, impl, world) for rnd in range(1, args.rounds + 1)
+                for library, impl in runs for world in sizes]
+    for rnd, library, impl, world in schedule:
         # which BatchNorm ran, for the row: per-rank BatchNorm, or whose SyncBatchNorm
         bn = "no DDP" if args.no_ddp else "per-rank" if args.no_sync_bn else impl
-        for world in sizes:
-            job = ddp_train.Job(library=library, network=args.network, dtype=args.dtype,
-                                scans_per_rank=args.scans_per_rank, steps=args.steps,
-                                warmup=args.warmup, sync_bn=not args.no_sync_bn,
-                                sync_bn_impl=impl, timing=args.timing, ddp=not args.no_ddp,
-                                pin_cpus=args.pin_cpus,
-                                profile=f"{args.profile}-{library}-{world}.txt"
-                                if args.profile else "")
-            try:
-                results = ddp_train.run(world, job)
-            except Exception as exc:  # noqa: BLE001 - a peer that fails is a row, not a stop
-                rows.append({**meta, "library": library, "batchnorm": bn, "world_size": world,
-                             "error": f"{type(exc).__name__}: {exc}"[:300]})
-                print(f"{library} ({bn}) world_size={world}: {rows[-1]['error']}", flush=True)
-                continue
-            times = step_times(results)
-            ms = statistics.median(times) * 1e3
-            row = {**meta, "library": library, "batchnorm": bn, "world_size": world,
-                   "step_ms": round(ms, 2),
-                   "scans_per_s": round(world * args.scans_per_rank / (ms / 1e3), 1),
-                   "voxels_per_rank": round(statistics.mean(r["voxels"] for r in results)),
-                   "compiles": sum(r["compiles"] for r in results)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        job = ddp_train.Job(library=library, network=args.network, dtype=args.dtype,
+                            scans_per_rank=args.scans_per_rank, steps=args.steps,
+                            warmup=args.warmup, sync_bn=not args.no_sync_bn,
+                            sync_bn_impl=impl, timing=args.timing, ddp=not args.no_ddp,
+                            pin_cpus=args.pin_cpus,
+                            profile=(f"{args.profile}-{library}-{world}"
+                                     f"{f'-r{rnd}' if args.rounds > 1 else ''}.txt"
+                                     if args.profile else ""))
+        try:
+            results = ddp_train.run(world, job)
+        except Exception as exc:  # noqa: BLE001 - a peer that fails is a row, not a stop
+            rows.append({**meta, "library": library, "batchnorm": bn, "world_size": world,
+                         "round": rnd, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            print(f"{library} ({bn}) world_size={world}: {rows[-1]['error']}", flush=True)
+            continue
+        times = step_times(results)
+        ms = statistics.median(times) * 1e3
+        row = {**meta, "library": library, "batchnorm": bn, "world_size": world,
+               "round": rnd, "step_ms": round(ms, 2),
+               "scans_per_s": round(world * args.scans_per_rank / (ms / 1e3), 1),
+               "voxels_per_rank": round(statistics.mean(r["voxels"] for r in results)),
+               "compiles": sum(r["compiles"] for r in results)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     lines = summary(rows, meta)
     print("\n".join(lines))
     if args.out:
@@ -143,17 +151,43 @@ def summary(rows: list[dict], meta: dict) -> list[str]:
     def key(r):  # rows from before the BatchNorm column ran torch's SyncBatchNorm or per-rank
         return r["library"], r.get("batchnorm", "torch" if meta["sync_bn"] else "per-rank")
 
-    one = {key(r): r.get("scans_per_s") for r in rows if r["world_size"] == 1}
+    rounds = max(r.get("round", 1) for r in rows) if rows else 1
+    if rounds > 1:
+        lines[-2:] = ["| round | library | BatchNorm | GPUs | step ms | scans/s "
+                      "| scaling vs 1 GPU | voxels per rank | compiles |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+    one = {(*key(r), r.get("round", 1)): r.get("scans_per_s") for r in rows
+           if r["world_size"] == 1 and "error" not in r}
     for r in rows:
         library, bn = key(r)
+        first = f"| {r.get('round', 1)} " if rounds > 1 else ""
         if "error" in r:
-            lines.append(f"| {library} | {bn} | {r['world_size']} | error | | | | |")
+            lines.append(f"{first}| {library} | {bn} | {r['world_size']} | error | | | | |")
             continue
-        base = one.get(key(r))
+        base = one.get((*key(r), r.get("round", 1)))
         scale = f"{r['scans_per_s'] / base:.2f}x" if base else "-"
-        lines.append(f"| {library} | {bn} | {r['world_size']} | {r['step_ms']:.1f} | "
-                     f"{r['scans_per_s']:.1f} | {scale} | {r['voxels_per_rank']} | {r['compiles']} |")
-    by = {(*key(r), r["world_size"]): r.get("scans_per_s") for r in rows}
+        lines.append(f"{first}| {library} | {bn} | {r['world_size']} | {r['step_ms']:.1f} | "
+                     f"{r['scans_per_s']:.1f} | {scale} | {r['voxels_per_rank']} | "
+                     f"{r['compiles']} |")
+    if rounds > 1:
+        lines += ["", f"Medians over the {rounds} rounds (scaling: the median of each round's "
+                  "own ratio):", "", "| library | BatchNorm | GPUs | step ms | scaling vs 1 GPU |",
+                  "|---|---|---|---|---|"]
+        groups: dict = {}
+        for r in rows:
+            if "error" not in r:
+                groups.setdefault((*key(r), r["world_size"]), []).append(r)
+        for (library, bn, world), group in groups.items():
+            ratios = [r["scans_per_s"] / one[(library, bn, r.get("round", 1))] for r in group
+                      if one.get((library, bn, r.get("round", 1)))]
+            scale = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+            lines.append(f"| {library} | {bn} | {world} | "
+                         f"{statistics.median(r['step_ms'] for r in group):.1f} | {scale} |")
+    by: dict = {}
+    for r in rows:  # (per configuration: the median over rounds)
+        if "error" not in r:
+            by.setdefault((*key(r), r["world_size"]), []).append(r["scans_per_s"])
+    by = {k: statistics.median(v) for k, v in by.items()}
     for world in sorted({r["world_size"] for r in rows}):
         sp = next((v for (lib, _, w), v in by.items() if lib == "spconv" and w == world), None)
         for (lib, bn, w), fx in by.items():

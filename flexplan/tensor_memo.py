@@ -10,12 +10,23 @@ A tensor subclass that takes no weak reference is not remembered either.
 Used for what costs device work or a host sync to learn about a coordinate tensor: its
 identity (coords_hash), the grids it passed the coordinate check on (coords_check), a 2D / 1D
 tensor's indices with the unit axes added (nn.sparse_conv_tensor).
+
+The contract: coordinates are changed through torch ops (which bump the version counter).
+Writes that bypass the counter (`tensor.data[...] = ...`, a NumPy or DLPack alias, a kernel
+writing through data_ptr, a collective received into a reused buffer) are not seen: the
+tensor keeps its remembered identity, check and padded copy. A job that writes coordinates
+that way passes new tensors, or sets FLEXPLAN_TENSOR_MEMO=0 (read at import: nothing is
+remembered, every tensor is hashed and checked at every use).
 """
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
+
+# False (FLEXPLAN_TENSOR_MEMO=0): nothing is remembered (see the module's docstring).
+ENABLED = os.environ.get("FLEXPLAN_TENSOR_MEMO", "1").strip() != "0"
 
 
 class TensorMemo:
@@ -37,7 +48,7 @@ class TensorMemo:
 
     def put(self, tensor: torch.Tensor, value) -> None:
         """Remember value for tensor at its current version (replacing what was there)."""
-        if tensor.is_inference():
+        if not ENABLED or tensor.is_inference():
             return
         ident, entries = id(tensor), self._entries
         try:

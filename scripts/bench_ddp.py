@@ -69,11 +69,16 @@ def main() -> int:
     parser.add_argument("--profile", default="",
                         help="a file prefix: rank 0's timed window of each run under "
                              "torch.profiler (CPU side), its table in "
-                             "PREFIX-<library>-<world>[-r<round>].txt (window timing only)")
+                             "PREFIX-<library>-<batchnorm>-<world>[-r<round>].txt (window timing; "
+                             "its step times include the profiler's cost)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     if args.no_ddp:
         args.no_sync_bn = True
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
+    if args.profile and args.timing != "window":
+        parser.error("--profile profiles the timed window: use it with --timing window")
     sizes = [int(w) for w in args.world_sizes.split(",")]
     impls = args.sync_bn_impl.split(",")
     if not impls or set(impls) - {"torch", "flexplan"}:
@@ -86,7 +91,8 @@ def main() -> int:
             "torch": torch.__version__, "triton": triton.__version__,
             "network": args.network, "dtype": args.dtype, "scans_per_rank": args.scans_per_rank,
             "steps": args.steps, "warmup": args.warmup, "sync_bn": not args.no_sync_bn,
-            "timing": args.timing, "ddp": not args.no_ddp, "pin_cpus": args.pin_cpus}
+            "timing": args.timing, "ddp": not args.no_ddp, "pin_cpus": args.pin_cpus,
+            **({"profiled": True} if args.profile else {})}
     rows = []
     runs = [(library, impl) for library in args.libraries.split(",")
             for impl in (impls if library == "flexplan" and not args.no_sync_bn else ["torch"])]
@@ -100,7 +106,7 @@ def main() -> int:
                             warmup=args.warmup, sync_bn=not args.no_sync_bn,
                             sync_bn_impl=impl, timing=args.timing, ddp=not args.no_ddp,
                             pin_cpus=args.pin_cpus,
-                            profile=(f"{args.profile}-{library}-{world}"
+                            profile=(f"{args.profile}-{library}-{bn.replace(' ', '_')}-{world}"
                                      f"{f'-r{rnd}' if args.rounds > 1 else ''}.txt"
                                      if args.profile else ""))
         try:
@@ -143,7 +149,9 @@ def summary(rows: list[dict], meta: dict) -> list[str]:
                  f"{meta['steps']} steps in one window (ranks aligned once before, GPUs drained "
                  "once after; step ms: the slowest rank's window / steps)") + ". BatchNorm column: whose SyncBatchNorm ran (torch: "
              "nn.SyncBatchNorm; flexplan: flexplan.nn.SyncBatchNorm, no host syncs), "
-             "per-rank BatchNorm, or no DDP (each rank trains alone).", "",
+             "per-rank BatchNorm, or no DDP (each rank trains alone)." + (
+                 " Profiled (--profile): rank 0's steps ran under torch.profiler, their times "
+                 "include its cost." if meta.get("profiled") else ""), "",
              "| library | BatchNorm | GPUs | step ms | scans/s | scaling vs 1 GPU "
              "| voxels per rank | compiles |",
              "|---|---|---|---|---|---|---|---|"]

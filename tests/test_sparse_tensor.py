@@ -208,3 +208,27 @@ def test_2d_indices_wrapped_again_share_coords(device):
     c.coords[0, 1] = 9  # the coords changed behind the memo: not handed out again
     d = spconv.SparseConvTensor(feats, pillars, (5, 6), 2)
     assert d.coords is not c.coords and torch.equal(d.indices, pillars)
+
+
+def test_memo_off_checks_every_time_and_captures_are_not_kept(device, monkeypatch):
+    """FLEXPLAN_TENSOR_MEMO=0 (tensor_memo.ENABLED False) remembers nothing: every wrap checks
+    again; 2D coords padded during a CUDA graph capture are not handed to later wraps."""
+    import flexplan.nn.spconv as spconv
+    from flexplan import coords_check, tensor_memo
+    from flexplan.nn import sparse_conv_tensor
+
+    checks = []
+    real = coords_check._check_coords
+    monkeypatch.setattr(coords_check, "_check_coords",
+                        lambda *args: checks.append(1) or real(*args))
+    monkeypatch.setattr(tensor_memo, "ENABLED", False)
+    coords = _coords(device)
+    SparseTensor(_feats(device=device), coords, SHAPE)
+    SparseTensor(_feats(device=device), coords, SHAPE)
+    assert len(checks) == 2
+    monkeypatch.setattr(tensor_memo, "ENABLED", True)
+    monkeypatch.setattr(sparse_conv_tensor, "capturing", lambda device: True)
+    pillars = torch.tensor([[0, 1, 2], [1, 1, 2]], dtype=torch.int32, device=device)
+    a = spconv.SparseConvTensor(_feats(2, device=device), pillars, (5, 6), 2)
+    b = spconv.SparseConvTensor(_feats(2, device=device), pillars, (5, 6), 2)
+    assert a.coords is not b.coords

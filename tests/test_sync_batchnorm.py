@@ -591,8 +591,9 @@ def test_two_nccl_ranks_equal_torch_sync_batchnorm_without_syncs():
 
 
 def test_all_reduce_sum_goes_through_the_groups_own_allreduce(monkeypatch):
-    """The layer's collectives call the process group's allreduce (a SUM, then the wait), not
-    dist.all_reduce's Python wrapper; with the switch off, dist.all_reduce."""
+    """The layer's collectives call the process group's allreduce (a synchronous SUM, then the
+    wait), not dist.all_reduce's Python wrapper; under torch.compile or with the switch off,
+    dist.all_reduce."""
     from flexplan.nn import sync_batchnorm
 
     calls = []
@@ -609,7 +610,13 @@ def test_all_reduce_sum_goes_through_the_groups_own_allreduce(monkeypatch):
     t = torch.ones(3)
     sync_batchnorm.all_reduce_sum(t, Group())
     assert calls[0][0][0] is t and calls[0][1] == dist.ReduceOp.SUM and calls[1] == "wait"
-    monkeypatch.setattr(sync_batchnorm, "direct_all_reduce", False)
+    assert getattr(sync_batchnorm._sum_options(), "asyncOp", False) is False
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, op, group: calls.append((tensor, op)))
+    # under torch.compile Dynamo traces dist.all_reduce (a process group object breaks it)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     sync_batchnorm.all_reduce_sum(t, Group())
     assert calls[2] == (t, dist.ReduceOp.SUM) and len(calls) == 3
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    monkeypatch.setattr(sync_batchnorm, "direct_all_reduce", False)
+    sync_batchnorm.all_reduce_sum(t, Group())
+    assert calls[3] == (t, dist.ReduceOp.SUM) and len(calls) == 4

@@ -17,6 +17,7 @@ import torch
 
 from ..coords4d import check_coords_4d, check_grid_4d
 from ..geometry import triple
+from ..graph_capture import capturing
 from ..plan import ConvPlan
 from ..cache import refine_plan
 from ..planner.generative import bwd_from_fwd, inverse_plan
@@ -36,7 +37,8 @@ def with_unit_axes(indices: torch.Tensor, ndim: int) -> torch.Tensor:
     if known is not None and known[1] == known[0]._version:  # (and those coords unchanged)
         return known[0]
     coords = torch.nn.functional.pad(indices, (0, 3 - ndim))
-    if not coords.is_inference():
+    # (not kept from a CUDA graph capture: its coords hold values only once the graph replays)
+    if not coords.is_inference() and not capturing(coords.device):
         _with_unit_axes.put(indices, (coords, coords._version))
     return coords
 

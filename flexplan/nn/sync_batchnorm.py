@@ -172,12 +172,18 @@ def _torch_finalize(packed, sd, eps, momentum, num_batches_tracked, running_mean
 
 
 def all_reduce_sum(tensor: torch.Tensor, group) -> None:
-    """dist.all_reduce(tensor, SUM, group), through the group's own allreduce: what
-    dist.all_reduce calls after its Python argument checks and logging wrappers, skipped here
-    (two collectives per BatchNorm layer and step, host time in host-bound ranks). The same
-    collective and the same wait (the current stream waits for it; the host does not)."""
-    if direct_all_reduce and hasattr(group, "allreduce"):
-        group.allreduce([tensor], _sum_options()).wait()
+    """dist.all_reduce(tensor, SUM, group) (synchronous: asyncOp False where torch has the
+    option, the work waited for where the backend returns one), through the group's own
+    allreduce: what dist.all_reduce calls after its Python argument checks and logging
+    wrappers, skipped here (two collectives per BatchNorm layer and step, host time in
+    host-bound ranks). dist.all_reduce itself under torch.compile (Dynamo traces it, not a
+    process group object) and inside a coalescing manager (which queues it)."""
+    if (direct_all_reduce and hasattr(group, "allreduce")
+            and not torch.compiler.is_compiling()
+            and group not in getattr(dist.distributed_c10d._world, "pg_coalesce_state", ())):
+        work = group.allreduce([tensor], _sum_options())
+        if work is not None:  # (a backend that synced in C++ returns none)
+            work.wait()
     else:
         dist.all_reduce(tensor, dist.ReduceOp.SUM, group)
 
@@ -188,9 +194,14 @@ _SUM_OPTIONS = []
 
 
 def _sum_options():
+    """One AllreduceOptions for every call (the process group copies what it reads): a sum,
+    synchronous as dist.all_reduce(async_op=False) asks (torch >= 2.12 then runs NCCL on the
+    current stream, with no events between streams)."""
     if not _SUM_OPTIONS:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
+        if hasattr(opts, "asyncOp"):
+            opts.asyncOp = False
         _SUM_OPTIONS.append(opts)
     return _SUM_OPTIONS[0]
 

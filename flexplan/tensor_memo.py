@@ -32,10 +32,14 @@ ENABLED = os.environ.get("FLEXPLAN_TENSOR_MEMO", "1").strip() != "0"
 class TensorMemo:
     """One value per tensor object and version (see the module's docstring)."""
 
-    __slots__ = ("_entries", "__weakref__")
+    __slots__ = ("_entries", "_max_entries", "__weakref__")
 
-    def __init__(self):
+    def __init__(self, max_entries: int | None = None):
+        """max_entries: keep at most this many, dropping the oldest (for values that hold
+        memory, e.g. a tensor: the memo must not keep a copy of every tensor a job wraps);
+        None: entries go only with their tensors."""
         self._entries: dict[int, tuple[weakref.ref, int, object]] = {}
+        self._max_entries = max_entries
 
     def get(self, tensor: torch.Tensor):
         """The value put for this tensor object at its current version, else None."""
@@ -56,7 +60,13 @@ class TensorMemo:
             ref = weakref.ref(tensor, lambda _, ident=ident: entries.pop(ident, None))
         except TypeError:
             return
+        entries.pop(ident, None)  # (re-put: to the newest place)
         entries[ident] = (ref, tensor._version, value)
+        if self._max_entries is not None and len(entries) > self._max_entries:
+            try:  # the oldest; its weak reference goes with it, its callback never runs
+                del entries[next(iter(entries))]
+            except (StopIteration, KeyError, RuntimeError):  # (another thread changed it)
+                pass
 
     def __len__(self) -> int:
         return len(self._entries)

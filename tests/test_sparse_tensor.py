@@ -232,3 +232,24 @@ def test_memo_off_checks_every_time_and_captures_are_not_kept(device, monkeypatc
     a = spconv.SparseConvTensor(_feats(2, device=device), pillars, (5, 6), 2)
     b = spconv.SparseConvTensor(_feats(2, device=device), pillars, (5, 6), 2)
     assert a.coords is not b.coords
+
+
+def test_tensor_memo_bounded_keeps_the_latest():
+    """A bounded memo keeps its latest entries (a re-put counts as new) and forgets a freed
+    tensor's entry."""
+    import gc
+
+    from flexplan.tensor_memo import TensorMemo
+
+    memo = TensorMemo(max_entries=2)
+    a, b, c = torch.zeros(1), torch.zeros(2), torch.zeros(3)
+    memo.put(a, "a")
+    memo.put(b, "b")
+    memo.put(a, "a2")  # a is now the newest
+    memo.put(c, "c")  # b, the oldest, goes
+    assert (memo.get(a), memo.get(b), memo.get(c)) == ("a2", None, "c") and len(memo) == 2
+    del c
+    gc.collect()
+    assert len(memo) == 1 and memo.get(a) == "a2"
+    a.add_(1)
+    assert memo.get(a) is None

@@ -27,8 +27,10 @@ from ..tensor_memo import TensorMemo
 
 # A 2D / 1D indices tensor's 3D coords, per unmodified indices tensor: the same indices
 # wrapped again (a new tensor per call over the same pillars) get the same coords object, so
-# its remembered identity and passed checks (tensor_memo) serve them with no device work.
-_with_unit_axes = TensorMemo()
+# its remembered identity and passed checks (tensor_memo) serve them with no device work. The
+# latest few only: each holds a copy of its indices (a dataset of pillar tensors kept on the
+# GPU must not get a second copy of all of them).
+_with_unit_axes = TensorMemo(max_entries=8)
 
 
 def with_unit_axes(indices: torch.Tensor, ndim: int) -> torch.Tensor:

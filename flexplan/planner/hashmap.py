@@ -24,6 +24,9 @@ LOOKUP_LAUNCH = dict(BLOCK=256, num_warps=1)
 
 # The input check's slots after the table: the first row outside the grid, a duplicated row.
 PROBLEM_SLOTS = 2
+# The check's geometry (one insert pass, the map of a 1x1x1 kernel), made once: making and
+# validating a geometry costs microseconds of host time per check.
+_POINT = ConvGeometry.make(1)
 
 
 # Launch descriptions: each launch written once (flexplan/launch_spec.py), for the planner below
@@ -117,7 +120,7 @@ def coords_problem_flags(coords: torch.Tensor, spatial_shape: tuple[int, int, in
     the caller to read in the same sync; lanes: the first two of them coords' identity lanes
     (coords_hash), hashed in the same pass. No host sync. One hash insert pass (the map of a
     1x1x1 kernel)."""
-    return submanifold_neighbor_map_triton(coords, spatial_shape, batch_size, ConvGeometry.make(1),
+    return submanifold_neighbor_map_triton(coords, spatial_shape, batch_size, _POINT,
                                            spare_slots=spare_slots, lanes=lanes)[1]
 
 

@@ -16,9 +16,9 @@ per source and Python build; read only where no other user can write it, file_tr
 whose binaries all come from AOT bundles (aot/direct.py) never compiles it: it loads the
 library where `python -m aot --install` (or an earlier JIT process on the machine) left it,
 and launches bundle binaries through it (unless launcher.NATIVE_BUNDLE_LAUNCHES is off).
-Anything unusual (a tensor on another device, an int past 64 bits, an unknown argument kind, a list
-grid, no current CUDA context, an unrecorded class) returns False and the caller takes the
-Python path, which stays the definition. FLEXPLAN_NATIVE_LAUNCH=0 switches it off.
+Anything unusual (a tensor on another device, an int past 64 bits, an unknown argument kind,
+a list grid, no current CUDA context, an unrecorded class) returns False and the caller takes
+the Python path, which stays the definition. FLEXPLAN_NATIVE_LAUNCH=0 switches it off.
 """
 from __future__ import annotations
 

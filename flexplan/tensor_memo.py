@@ -42,11 +42,18 @@ class TensorMemo:
         self._max_entries = max_entries
 
     def get(self, tensor: torch.Tensor):
-        """The value put for this tensor object at its current version, else None."""
-        if tensor.is_inference():
+        """The value put for this tensor object at its current version, else None. In a
+        bounded memo a hit makes the entry the newest (a tensor used every step stays)."""
+        if not ENABLED or tensor.is_inference():
             return None
-        entry = self._entries.get(id(tensor))
+        ident = id(tensor)
+        entry = self._entries.get(ident)
         if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+            if self._max_entries is not None:
+                try:
+                    self._entries[ident] = self._entries.pop(ident)
+                except KeyError:  # (its tensor's callback, or another thread, took it)
+                    pass
             return entry[2]
         return None
 

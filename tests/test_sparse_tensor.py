@@ -253,3 +253,22 @@ def test_tensor_memo_bounded_keeps_the_latest():
     assert len(memo) == 1 and memo.get(a) == "a2"
     a.add_(1)
     assert memo.get(a) is None
+
+
+def test_bounded_memo_keeps_what_is_looked_up():
+    """A hit makes an entry the newest in a bounded memo: a tensor used every step stays while
+    others come and go; with the memo switched off nothing is answered."""
+    from flexplan import tensor_memo
+
+    memo = tensor_memo.TensorMemo(max_entries=2)
+    kept = torch.zeros(1)
+    memo.put(kept, "kept")
+    others = [torch.zeros(2) for _ in range(5)]
+    for other in others:
+        memo.put(other, "other")
+        assert memo.get(kept) == "kept"
+    tensor_memo.ENABLED = False
+    try:
+        assert memo.get(kept) is None
+    finally:
+        tensor_memo.ENABLED = True

@@ -625,3 +625,8 @@ def test_all_reduce_sum_goes_through_the_groups_own_allreduce(monkeypatch):
     monkeypatch.setattr(sync_batchnorm, "direct_all_reduce", False)
     sync_batchnorm.all_reduce_sum(t, Group())
     assert calls[3] == (t, dist.ReduceOp.SUM) and len(calls) == 4
+    # inside a coalescing manager the collective would only be queued: a clear error
+    group = Group()
+    monkeypatch.setitem(dist.distributed_c10d._world.pg_coalesce_state, group, [])
+    with pytest.raises(RuntimeError, match="coalescing manager"):
+        sync_batchnorm.all_reduce_sum(t, group)

@@ -177,10 +177,12 @@ def all_reduce_sum(tensor: torch.Tensor, group) -> None:
     allreduce: what dist.all_reduce calls after its Python argument checks and logging
     wrappers, skipped here (two collectives per BatchNorm layer and step, host time in
     host-bound ranks). dist.all_reduce itself under torch.compile (Dynamo traces it, not a
-    process group object) and inside a coalescing manager (which queues it)."""
-    if (direct_all_reduce and hasattr(group, "allreduce")
-            and not torch.compiler.is_compiling()
-            and group not in getattr(dist.distributed_c10d._world, "pg_coalesce_state", ())):
+    process group object); inside a coalescing manager (which would only queue it) an error."""
+    if group in getattr(dist.distributed_c10d._world, "pg_coalesce_state", ()):
+        # (dist.all_reduce would only queue it: the layer would go on with this rank's sums)
+        raise RuntimeError("flexplan's SyncBatchNorm needs its all-reduced statistics at once: "
+                           "it cannot run inside torch.distributed's coalescing manager")
+    if direct_all_reduce and hasattr(group, "allreduce") and not torch.compiler.is_compiling():
         work = group.allreduce([tensor], _sum_options())
         if work is not None:  # (a backend that synced in C++ returns none)
             work.wait()

@@ -10,8 +10,9 @@ from pathlib import Path
 
 def untrusted_reason(path: Path) -> str | None:
     """Why what is under `path` (a directory or a file: plans, the native launcher's library)
-    must not be read: another user can write it. None where it is ours (or root's) and not group- or world-writable, or does not exist
-    yet (then we create it). No check where the OS has no user ids."""
+    must not be read: another user can write it. None where it is ours (or root's) and not
+    group- or world-writable, or does not exist yet (then we create it). No check where the OS
+    has no user ids."""
     try:
         st = os.stat(path)
     except OSError:

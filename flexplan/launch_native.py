@@ -30,10 +30,10 @@ import platform
 import shutil
 import sys
 import sysconfig
-import tempfile
 import threading
 from pathlib import Path
 
+from .atomic_write import atomic_write
 from .file_trust import untrusted_reason
 from .paths import native_launch_dir
 
@@ -403,15 +403,10 @@ def _keep(compiled) -> Path:
     rename, so that no reader sees a partial library."""
     path = library_path()
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # (mode 0600)
-    try:
-        with os.fdopen(fd, "wb") as out, open(compiled.__file__, "rb") as library:
-            shutil.copyfileobj(library, out)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
+    # (atomic_write's temp file has mkstemp's mode 0600)
+    with atomic_write(path, prefix=f".{path.name}.") as out, \
+            open(compiled.__file__, "rb") as library:
+        shutil.copyfileobj(library, out)
     return path
 
 

@@ -44,6 +44,7 @@ SyncBatchNorm.convert_sync_batchnorm still treats this one as a BatchNorm to con
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -192,20 +193,16 @@ def all_reduce_sum(tensor: torch.Tensor, group) -> None:
 
 # False (or FLEXPLAN_SYNC_BN_DIRECT=0): every collective through dist.all_reduce (A/B runs).
 direct_all_reduce = os.environ.get("FLEXPLAN_SYNC_BN_DIRECT", "1").strip() != "0"
-_SUM_OPTIONS = []
-
-
+@functools.cache
 def _sum_options():
     """One AllreduceOptions for every call (the process group copies what it reads): a sum,
     synchronous as dist.all_reduce(async_op=False) asks (torch >= 2.12 then runs NCCL on the
     current stream, with no events between streams)."""
-    if not _SUM_OPTIONS:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        if hasattr(opts, "asyncOp"):
-            opts.asyncOp = False
-        _SUM_OPTIONS.append(opts)
-    return _SUM_OPTIONS[0]
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = False
+    return opts
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):

@@ -71,14 +71,21 @@ def main() -> int:
                              "torch.profiler (CPU side), its table in "
                              "PREFIX-<library>-<batchnorm>-<world>[-r<round>].txt (window timing; "
                              "its step times include the profiler's cost)")
+    parser.add_argument("--trace", default="",
+                        help="a file prefix: every rank's timed window of each run under "
+                             "torch.profiler with CUDA activity only, a Chrome trace per rank "
+                             "PREFIX-<library>-<batchnorm>-<world>[-r<round>]-rank<r>.json "
+                             "(window timing; summarize with scripts/trace_summary.py)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     if args.no_ddp:
         args.no_sync_bn = True
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
-    if args.profile and args.timing != "window":
-        parser.error("--profile profiles the timed window: use it with --timing window")
+    if (args.profile or args.trace) and args.timing != "window":
+        parser.error("--profile / --trace record the timed window: use them with --timing window")
+    if args.profile and args.trace:
+        parser.error("--profile and --trace: one profiler at a time")
     sizes = [int(w) for w in args.world_sizes.split(",")]
     impls = args.sync_bn_impl.split(",")
     if not impls or set(impls) - {"torch", "flexplan"}:
@@ -92,7 +99,7 @@ def main() -> int:
             "network": args.network, "dtype": args.dtype, "scans_per_rank": args.scans_per_rank,
             "steps": args.steps, "warmup": args.warmup, "sync_bn": not args.no_sync_bn,
             "timing": args.timing, "ddp": not args.no_ddp, "pin_cpus": args.pin_cpus,
-            **({"profiled": True} if args.profile else {})}
+            **({"profiled": True} if args.profile or args.trace else {})}
     rows = []
     runs = [(library, impl) for library in args.libraries.split(",")
             for impl in (impls if library == "flexplan" and not args.no_sync_bn else ["torch"])]
@@ -101,14 +108,15 @@ def main() -> int:
     for rnd, library, impl, world in schedule:
         # which BatchNorm ran, for the row: per-rank BatchNorm, or whose SyncBatchNorm
         bn = "no DDP" if args.no_ddp else "per-rank" if args.no_sync_bn else impl
+        run_name = (f"{library}-{bn.replace(' ', '_')}-{world}"
+                    f"{f'-r{rnd}' if args.rounds > 1 else ''}")
         job = ddp_train.Job(library=library, network=args.network, dtype=args.dtype,
                             scans_per_rank=args.scans_per_rank, steps=args.steps,
                             warmup=args.warmup, sync_bn=not args.no_sync_bn,
                             sync_bn_impl=impl, timing=args.timing, ddp=not args.no_ddp,
                             pin_cpus=args.pin_cpus,
-                            profile=(f"{args.profile}-{library}-{bn.replace(' ', '_')}-{world}"
-                                     f"{f'-r{rnd}' if args.rounds > 1 else ''}.txt"
-                                     if args.profile else ""))
+                            profile=(f"{args.profile}-{run_name}.txt" if args.profile else ""),
+                            trace=f"{args.trace}-{run_name}" if args.trace else "")
         try:
             results = ddp_train.run(world, job)
         except Exception as exc:  # noqa: BLE001 - a peer that fails is a row, not a stop
@@ -122,7 +130,11 @@ def main() -> int:
                "round": rnd, "step_ms": round(ms, 2),
                "scans_per_s": round(world * args.scans_per_rank / (ms / 1e3), 1),
                "voxels_per_rank": round(statistics.mean(r["voxels"] for r in results)),
-               "compiles": sum(r["compiles"] for r in results)}
+               "compiles": sum(r["compiles"] for r in results),
+               # per rank, host ms per step: making the input tensor (its check waits for the
+               # GPU to finish the step before: a lagging GPU shows here), and the rest
+               "input_ms": [round(statistics.mean(r["input_s"]) * 1e3, 2) for r in results],
+               "rest_ms": [round(statistics.mean(r["rest_s"]) * 1e3, 2) for r in results]}
         rows.append(row)
         print(json.dumps(row), flush=True)
     lines = summary(rows, meta)
@@ -135,6 +147,13 @@ def main() -> int:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     return 0
+
+
+def host_split(row: dict) -> str:
+    """"input / rest" host ms per rank (rows from before they were recorded: -)."""
+    if "input_ms" not in row:
+        return "-"
+    return ", ".join(f"{a:.1f} / {b:.1f}" for a, b in zip(row["input_ms"], row["rest_ms"]))
 
 
 def summary(rows: list[dict], meta: dict) -> list[str]:
@@ -152,9 +171,12 @@ def summary(rows: list[dict], meta: dict) -> list[str]:
              "per-rank BatchNorm, or no DDP (each rank trains alone)." + (
                  " Profiled (--profile): rank 0's steps ran under torch.profiler, their times "
                  "include its cost." if meta.get("profiled") else ""), "",
+             "Host ms: each rank's host time per step (mean) making the input tensor, whose "
+             "coordinate check waits for the GPU to finish the step before (a GPU lagging its "
+             "host shows there), and running the rest of the step.", "",
              "| library | BatchNorm | GPUs | step ms | scans/s | scaling vs 1 GPU "
-             "| voxels per rank | compiles |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| voxels per rank | compiles | host ms: input / rest, by rank |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
     def key(r):  # rows from before the BatchNorm column ran torch's SyncBatchNorm or per-rank
         return r["library"], r.get("batchnorm", "torch" if meta["sync_bn"] else "per-rank")
@@ -162,21 +184,22 @@ def summary(rows: list[dict], meta: dict) -> list[str]:
     rounds = max(r.get("round", 1) for r in rows) if rows else 1
     if rounds > 1:
         lines[-2:] = ["| round | library | BatchNorm | GPUs | step ms | scans/s "
-                      "| scaling vs 1 GPU | voxels per rank | compiles |",
-                      "|---|---|---|---|---|---|---|---|---|"]
+                      "| scaling vs 1 GPU | voxels per rank | compiles "
+                      "| host ms: input / rest, by rank |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
     one = {(*key(r), r.get("round", 1)): r.get("scans_per_s") for r in rows
            if r["world_size"] == 1 and "error" not in r}
     for r in rows:
         library, bn = key(r)
         first = f"| {r.get('round', 1)} " if rounds > 1 else ""
         if "error" in r:
-            lines.append(f"{first}| {library} | {bn} | {r['world_size']} | error | | | | |")
+            lines.append(f"{first}| {library} | {bn} | {r['world_size']} | error | | | | | |")
             continue
         base = one.get((*key(r), r.get("round", 1)))
         scale = f"{r['scans_per_s'] / base:.2f}x" if base else "-"
         lines.append(f"{first}| {library} | {bn} | {r['world_size']} | {r['step_ms']:.1f} | "
                      f"{r['scans_per_s']:.1f} | {scale} | {r['voxels_per_rank']} | "
-                     f"{r['compiles']} |")
+                     f"{r['compiles']} | {host_split(r)} |")
     if rounds > 1:
         lines += ["", f"Medians over the {rounds} rounds (scaling: the median of each round's "
                   "own ratio):", "", "| library | BatchNorm | GPUs | step ms | scaling vs 1 GPU |",

@@ -56,6 +56,10 @@ class Job:
     # a file: rank 0's timed steps run under torch.profiler (CPU side: host calls, CUDA API
     # calls such as synchronizations, collectives) and its table is written there
     profile: str = ""
+    # a file prefix: every rank's timed window (window timing) runs under torch.profiler with
+    # CUDA activity only (kernels and CUDA API calls, no Python ops: little host cost), written
+    # as a Chrome trace PREFIX-rank<r>.json (scripts/trace_summary.py reads them)
+    trace: str = ""
 
 
 def namespace(library: str):
@@ -101,11 +105,17 @@ def batches_for(job: Job, rank: int, count: int, device: torch.device) -> list:
     return out
 
 
-def train_step(model, loss_fn, opt, batch, sp, batch_size: int):
+def train_step(model, loss_fn, opt, batch, sp, batch_size: int) -> tuple[float, float]:
+    """One step; (host seconds making the input tensor, host seconds for the rest). Making the
+    tensor checks new coordinates, which waits for the GPU to finish the work queued before:
+    a GPU that lags its host shows there."""
+    start = time.perf_counter()
     x = sp.SparseConvTensor(batch.features, batch.indices, list(batch.spatial_shape), batch_size)
+    made = time.perf_counter()
     opt.zero_grad(set_to_none=True)
     loss_fn(model(x), batch.labels).backward()
     opt.step()
+    return made - start, time.perf_counter() - made
 
 
 def _rank_main(rank: int, world_size: int, job: Job, init_file: str, out_dir: str) -> None:
@@ -146,7 +156,7 @@ def _train(rank: int, world_size: int, job: Job, device: torch.device) -> dict:
     for b in batches[:job.warmup]:
         train_step(model, loss_fn, opt, b, sp, job.scans_per_rank)
     compiles_before = _compiles()
-    times = []
+    times, host = [], []
     if job.timing == "window":
         torch.cuda.synchronize(device)
         dist.barrier()
@@ -154,10 +164,12 @@ def _train(rank: int, world_size: int, job: Job, device: torch.device) -> dict:
         start = time.perf_counter()
         with profiler or contextlib.nullcontext():
             for b in batches[job.warmup:]:
-                train_step(model, loss_fn, opt, b, sp, job.scans_per_rank)
+                host.append(train_step(model, loss_fn, opt, b, sp, job.scans_per_rank))
             torch.cuda.synchronize(device)
         times = [(time.perf_counter() - start) / job.steps] * job.steps
-        if profiler is not None:
+        if profiler is not None and job.trace:
+            profiler.export_chrome_trace(f"{job.trace}-rank{rank}.json")
+        elif profiler is not None:
             table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
             with open(job.profile, "w") as f:
                 f.write(f"rank {rank} of {world_size}, {job.steps} steps\n{table}\n")
@@ -166,18 +178,22 @@ def _train(rank: int, world_size: int, job: Job, device: torch.device) -> dict:
             torch.cuda.synchronize(device)
             dist.barrier()
             start = time.perf_counter()
-            train_step(model, loss_fn, opt, b, sp, job.scans_per_rank)
+            host.append(train_step(model, loss_fn, opt, b, sp, job.scans_per_rank))
             torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
     else:
         raise ValueError(f"timing {job.timing!r}: 'step' or 'window'")
     voxels = sum(b.indices.shape[0] for b in batches[job.warmup:]) / job.steps
-    return {"times": times, "voxels": voxels, "compiles": _compiles() - compiles_before}
+    return {"times": times, "voxels": voxels, "compiles": _compiles() - compiles_before,
+            "input_s": [h[0] for h in host], "rest_s": [h[1] for h in host]}
 
 
 def _profiler(job: Job, rank: int):
-    """torch.profiler over rank 0's timed window (Job.profile), CPU activity only (the host's
-    calls: where a host-bound rank's time goes), else None."""
+    """torch.profiler over the timed window: every rank's, CUDA activity only (Job.trace), or
+    rank 0's, CPU activity only (Job.profile: the host's calls, where a host-bound rank's time
+    goes); else None."""
+    if job.trace:
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
     if not job.profile or rank != 0:
         return None
     return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])

@@ -7,6 +7,10 @@ Variants, each on [rows, C] features like the LiDAR encoder's layers (fp16 on GP
   flexplan-dist     the same through dist.all_reduce (FLEXPLAN_SYNC_BN_DIRECT=0's path)
   torch-sync        torch.nn.SyncBatchNorm (GPUs only: it needs CUDA)
   per-rank          torch.nn.BatchNorm1d, no collective
+and, per call, one collective alone (a SyncBatchNorm layer makes two per step):
+  allreduce-c10d    the group's allreduce of 2C + 1 float64 values (SyncBatchNorm's path)
+  allreduce-nccl    ncclAllReduce of the same through ctypes on a communicator of this
+                    probe's own (CUDA only): the collective without c10d's host work
 Each rank runs the same loop of calls with no host sync inside (a host-bound step's view),
 after a barrier; us per call is the slowest rank's window / calls.
 
@@ -26,7 +30,34 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-VARIANTS = ("flexplan-direct", "flexplan-dist", "torch-sync", "per-rank")
+VARIANTS = ("flexplan-direct", "flexplan-dist", "torch-sync", "per-rank", "allreduce-c10d",
+            "allreduce-nccl")
+
+
+class RawNccl:
+    """A NCCL communicator of the group's ranks through ctypes (libnccl as torch loaded it)."""
+
+    def __init__(self, rank: int, world: int, device: torch.device):
+        import ctypes
+
+        self.lib = lib = ctypes.CDLL("libnccl.so.2")
+        uid = (ctypes.c_byte * 128)()
+        if rank == 0:
+            assert lib.ncclGetUniqueId(ctypes.byref(uid)) == 0
+        shared = torch.tensor(list(bytes(uid)), dtype=torch.uint8, device=device)
+        dist.broadcast(shared, 0)
+        uid = (ctypes.c_byte * 128).from_buffer_copy(bytes(shared.cpu().tolist()))
+        self.comm = ctypes.c_void_p()
+        assert lib.ncclCommInitRank(ctypes.byref(self.comm), world, uid, rank) == 0
+        lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                      ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                      ctypes.c_void_p]
+
+    def all_reduce_sum_f64(self, t: torch.Tensor) -> None:
+        rc = self.lib.ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), 8, 0, self.comm,
+                                    torch.cuda.current_stream().cuda_stream)
+        if rc:
+            raise RuntimeError(f"ncclAllReduce: {rc}")
 
 
 def _module(variant: str, channels: int, device: torch.device) -> torch.nn.Module:
@@ -44,6 +75,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed(op, calls: int, device: torch.device) -> tuple[float, float]:
+    """(seconds per call, until the GPU finished; seconds per call the host took to queue)."""
+    for _ in range(20):
+        op()
+    _sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        op()
+    queued = time.perf_counter()
+    _sync(device)
+    return (time.perf_counter() - start) / calls, (queued - start) / calls
+
+
 def _rank(rank: int, world: int, args, init_file: str, out_dir: str) -> None:
     from flexplan.nn import sync_batchnorm
 
@@ -54,7 +99,7 @@ def _rank(rank: int, world: int, args, init_file: str, out_dir: str) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}",
                             rank=rank, world_size=world)
     dtype = torch.float16 if cuda else torch.float32
-    results = {}
+    results, raw = {}, None
     try:
         for channels in (int(c) for c in args.channels.split(",")):
             gen = torch.Generator().manual_seed(rank)
@@ -62,19 +107,21 @@ def _rank(rank: int, world: int, args, init_file: str, out_dir: str) -> None:
             x.requires_grad_(True)
             grad = torch.randn(args.rows, channels, generator=gen).to(device, dtype)
             for variant in VARIANTS:
-                if variant == "torch-sync" and not cuda:
+                if variant in ("torch-sync", "allreduce-nccl") and not cuda:
                     continue
                 sync_batchnorm.direct_all_reduce = variant != "flexplan-dist"
+                if variant.startswith("allreduce"):
+                    stats = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
+                    if variant == "allreduce-nccl":
+                        raw = raw or RawNccl(rank, world, device)
+                        op = (lambda: raw.all_reduce_sum_f64(stats))
+                    else:
+                        op = (lambda: sync_batchnorm.all_reduce_sum(stats, dist.group.WORLD))
+                    results[(channels, variant)] = _timed(op, args.calls, device)
+                    continue
                 bn = _module(variant, channels, device)
-                for _ in range(20):
-                    bn(x).backward(grad)
-                _sync(device)
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(args.calls):
-                    bn(x).backward(grad)
-                _sync(device)
-                results[(channels, variant)] = (time.perf_counter() - start) / args.calls
+                results[(channels, variant)] = _timed(lambda: bn(x).backward(grad), args.calls,
+                                                      device)
     finally:
         sync_batchnorm.direct_all_reduce = True
         dist.destroy_process_group()
@@ -97,14 +144,16 @@ def main() -> int:
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(args.world)]
     where = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (gloo)"
     print(f"{where}, {args.world} ranks, {args.rows} rows per rank, {args.calls} calls: us per "
-          "BatchNorm forward + backward (the slowest rank)")
+          "BatchNorm forward + backward, or per collective (allreduce-*), the slowest rank: "
+          "until the GPU finished / the host's queueing alone")
     print("| C | " + " | ".join(VARIANTS) + " |")
     print("|---|" + "---|" * len(VARIANTS))
     for channels in (int(c) for c in args.channels.split(",")):
         cells = []
         for variant in VARIANTS:
             times = [r.get((channels, variant)) for r in ranks]
-            cells.append("-" if None in times else f"{max(times) * 1e6:.0f}")
+            cells.append("-" if None in times else
+                         f"{max(t[0] for t in times) * 1e6:.0f} / {max(t[1] for t in times) * 1e6:.0f}")
         print(f"| {channels} | " + " | ".join(cells) + " |")
     return 0
 

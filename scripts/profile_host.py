@@ -91,6 +91,10 @@ def main():
     parser.add_argument("--impl", default="flexplan", choices=("flexplan", "spconv"))
     parser.add_argument("--mode", default="fp16", choices=sorted(MODES))
     parser.add_argument("--no-cprofile", action="store_true")
+    parser.add_argument("--copies", action="store_true",
+                        help="also list the step's copies and scalar reads (aten::copy_, "
+                             "aten::_local_scalar_dense) per step by the Python stack that "
+                             "made them (torch.profiler with_stack)")
     args = parser.parse_args()
     mode = MODES[args.mode]
     net, opt, scans, sp = network_setup(args.network, mode, args.impl)
@@ -150,6 +154,20 @@ def main():
         print("kernel launches per step, most first:")
         for e in sorted(kernels, key=lambda e: -e.count)[:40]:
             print(f"  {e.count / args.steps:6.1f}  {e.key[:100]}")
+    if args.copies:
+        from torch.profiler import ProfilerActivity, profile
+
+        batches = new_batches(0 if args.coords == "same" else 300)
+        with profile(activities=[ProfilerActivity.CPU], with_stack=True) as cprof:
+            for b in batches:
+                step(b)
+        rows = [e for e in cprof.key_averages(group_by_stack_n=6)
+                if e.key in ("aten::copy_", "aten::_local_scalar_dense")]
+        print("copies and scalar reads per step, by stack:")
+        for e in sorted(rows, key=lambda e: -e.count)[:25]:
+            print(f"  {e.count / args.steps:6.1f}  {e.key}")
+            for frame in e.stack[:6]:
+                print(f"           {frame}")
 
 
 if __name__ == "__main__":

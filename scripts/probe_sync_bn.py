@@ -40,15 +40,24 @@ class RawNccl:
     def __init__(self, rank: int, world: int, device: torch.device):
         import ctypes
 
+        class UniqueId(ctypes.Structure):  # (a struct: passed by value, as NCCL takes it)
+            _fields_ = [("internal", ctypes.c_byte * 128)]
+
         self.lib = lib = ctypes.CDLL("libnccl.so.2")
-        uid = (ctypes.c_byte * 128)()
+        uid = UniqueId()
         if rank == 0:
-            assert lib.ncclGetUniqueId(ctypes.byref(uid)) == 0
+            rc = lib.ncclGetUniqueId(ctypes.byref(uid))
+            if rc:
+                raise RuntimeError(f"ncclGetUniqueId: {rc}")
         shared = torch.tensor(list(bytes(uid)), dtype=torch.uint8, device=device)
         dist.broadcast(shared, 0)
-        uid = (ctypes.c_byte * 128).from_buffer_copy(bytes(shared.cpu().tolist()))
+        uid = UniqueId.from_buffer_copy(bytes(shared.cpu().tolist()))
         self.comm = ctypes.c_void_p()
-        assert lib.ncclCommInitRank(ctypes.byref(self.comm), world, uid, rank) == 0
+        lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, UniqueId,
+                                         ctypes.c_int]
+        rc = lib.ncclCommInitRank(ctypes.byref(self.comm), world, uid, rank)
+        if rc:
+            raise RuntimeError(f"ncclCommInitRank: {rc}")
         lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                       ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_void_p]

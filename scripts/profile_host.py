@@ -92,9 +92,9 @@ def main():
     parser.add_argument("--mode", default="fp16", choices=sorted(MODES))
     parser.add_argument("--no-cprofile", action="store_true")
     parser.add_argument("--copies", action="store_true",
-                        help="also list the step's copies and scalar reads (aten::copy_, "
-                             "aten::_local_scalar_dense) per step by the Python stack that "
-                             "made them (torch.profiler with_stack)")
+                        help="also list the step's CUDA copies and synchronizations per step "
+                             "by the op and Python frames that made them (torch.profiler "
+                             "with_stack; scripts/trace_summary.py)")
     args = parser.parse_args()
     mode = MODES[args.mode]
     net, opt, scans, sp = network_setup(args.network, mode, args.impl)
@@ -157,18 +157,19 @@ def main():
     if args.copies:
         from torch.profiler import ProfilerActivity, profile
 
+        from trace_summary import callers, summarize
+
         batches = new_batches(0 if args.coords == "same" else 300)
-        with profile(activities=[ProfilerActivity.CPU], with_stack=True) as cprof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     with_stack=True) as cprof:
             for b in batches:
                 step(b)
-        rows = [e for e in cprof.key_averages(group_by_stack_n=6)
-                if e.key in ("aten::copy_", "aten::_local_scalar_dense")]
-        print("copies and scalar reads per step, by stack:")
-        for e in sorted(rows, key=lambda e: -e.count)[:25]:
-            print(f"  {e.count / args.steps:6.1f}  {e.key}")
-            for frame in e.stack[:6]:
-                print(f"           {frame}")
-
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            cprof.export_chrome_trace(path)
+            print("\n".join(summarize(path, args.steps)))
+            for api in ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaEventSynchronize"):
+                print("\n".join(callers(path, api, args.steps)))
 
 if __name__ == "__main__":
     main()

@@ -2,6 +2,7 @@
 where a rank's window went on its GPU and in its CUDA API calls.
 
 Usage: python3 scripts/trace_summary.py TRACE.json [TRACE.json ...] [--steps N]
+       [--callers cudaMemcpyAsync]
 
 Per trace: the window (first to last event), the GPU's busy time (the union of its kernels and
 copies) and its NCCL kernels (count, time: a collective's kernel runs from when this rank's
@@ -60,6 +61,46 @@ def summarize(path: str, steps: int) -> list[str]:
     for name, durs in sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:15]:
         lines.append(f"| {name} | {len(durs) * per:.1f} | {sum(durs) / 1e3 * per:.2f} | "
                      f"{max(durs):.0f} |")
+    copies: dict = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("gpu_memcpy", "gpu_memset"):
+            copies[e.get("name", "?")].append(e.get("dur", 0))
+    if copies:
+        lines += ["", "| GPU copy or set | per step | us each (mean) |", "|---|---|---|"]
+        for name, durs in sorted(copies.items(), key=lambda kv: -len(kv[1])):
+            lines.append(f"| {name} | {len(durs) * per:.1f} | {sum(durs) / len(durs):.1f} |")
+    return lines + [""]
+
+
+def callers(path: str, api: str, steps: int, frames: int = 4) -> list[str]:
+    """The calls to `api` per step by (innermost op, innermost non-torch Python frames)."""
+    import bisect
+
+    with open(path) as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    around: dict = defaultdict(list)  # (pid, tid) -> containers sorted by start
+    for e in events:
+        if e.get("cat") in ("cpu_op", "python_function"):
+            around[(e.get("pid"), e.get("tid"))].append(e)
+    for lst in around.values():
+        lst.sort(key=lambda e: e["ts"])
+    starts = {k: [e["ts"] for e in v] for k, v in around.items()}
+    counts: dict = defaultdict(int)
+    for e in events:
+        if e.get("cat") not in API_CATS or e.get("name") != api:
+            continue
+        key = (e.get("pid"), e.get("tid"))
+        lst, ts = around.get(key, []), e["ts"]
+        at = bisect.bisect_right(starts.get(key, []), ts)
+        inside = [c for c in lst[max(0, at - 4000):at] if c["ts"] + c.get("dur", 0) >= ts]
+        inside.sort(key=lambda c: c.get("dur", 0))
+        op = next((c["name"] for c in inside if c.get("cat") == "cpu_op"), "-")
+        chain = [c["name"] for c in inside if c.get("cat") == "python_function"
+                 and "torch/" not in c["name"] and "<built-in" not in c["name"]][:frames]
+        counts[(op, tuple(chain))] += 1
+    lines = [f"## {api} by caller ({path})", ""]
+    for (op, chain), n in sorted(counts.items(), key=lambda kv: -kv[1])[:30]:
+        lines.append(f"- {n / steps:.1f} per step: {op} <- " + " <- ".join(chain))
     return lines + [""]
 
 
@@ -67,9 +108,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("traces", nargs="+")
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--callers", default="")
     args = parser.parse_args(argv)
     for path in args.traces:
         print("\n".join(summarize(path, max(1, args.steps))))
+        if args.callers:
+            print("\n".join(callers(path, args.callers, max(1, args.steps))))
     return 0
 
 

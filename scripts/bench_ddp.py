@@ -60,6 +60,9 @@ def main() -> int:
                              "processes cost each other, with no collective")
     parser.add_argument("--pin-cpus", action="store_true",
                         help="each rank on its own share of the CPUs (Job.pin_cpus)")
+    parser.add_argument("--no-broadcast-buffers", action="store_true",
+                        help="DistributedDataParallel(broadcast_buffers=False), as mmengine "
+                             "(mmdet3d) runs it; default torch's True, as OpenPCDet")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every (library, world size) this many times, in turn (world "
                              "sizes alternating): each round's scaling is against the same "
@@ -99,6 +102,7 @@ def main() -> int:
             "network": args.network, "dtype": args.dtype, "scans_per_rank": args.scans_per_rank,
             "steps": args.steps, "warmup": args.warmup, "sync_bn": not args.no_sync_bn,
             "timing": args.timing, "ddp": not args.no_ddp, "pin_cpus": args.pin_cpus,
+            "broadcast_buffers": not args.no_broadcast_buffers,
             **({"profiled": True} if args.profile or args.trace else {})}
     rows = []
     runs = [(library, impl) for library in args.libraries.split(",")
@@ -115,6 +119,7 @@ def main() -> int:
                             warmup=args.warmup, sync_bn=not args.no_sync_bn,
                             sync_bn_impl=impl, timing=args.timing, ddp=not args.no_ddp,
                             pin_cpus=args.pin_cpus,
+                            broadcast_buffers=not args.no_broadcast_buffers,
                             profile=(f"{args.profile}-{run_name}.txt" if args.profile else ""),
                             trace=f"{args.trace}-{run_name}" if args.trace else "")
         try:
@@ -168,7 +173,8 @@ def summary(rows: list[dict], meta: dict) -> list[str]:
                  f"{meta['steps']} steps in one window (ranks aligned once before, GPUs drained "
                  "once after; step ms: the slowest rank's window / steps)") + ". BatchNorm column: whose SyncBatchNorm ran (torch: "
              "nn.SyncBatchNorm; flexplan: flexplan.nn.SyncBatchNorm, no host syncs), "
-             "per-rank BatchNorm, or no DDP (each rank trains alone)." + (
+             "per-rank BatchNorm, or no DDP (each rank trains alone). DistributedDataParallel's "
+             f"broadcast_buffers {meta.get('broadcast_buffers', True)}." + (
                  " Profiled (--profile): rank 0's steps ran under torch.profiler, their times "
                  "include its cost." if meta.get("profiled") else ""), "",
              "Host ms: each rank's host time per step (mean) making the input tensor, whose "

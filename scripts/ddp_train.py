@@ -53,6 +53,10 @@ class Job:
     ddp: bool = True  # False: each rank trains its own model alone, no collective (host and
     #                   machine contention between the ranks' processes, nothing else)
     pin_cpus: bool = False  # each rank on its own share of this process's CPUs (in order)
+    # DistributedDataParallel's broadcast_buffers: True (torch's default, OpenPCDet's) copies
+    # rank 0's BatchNorm buffers to every rank before each forward (a collective and a copy per
+    # buffer); mmengine (mmdet3d) passes False. Under SyncBatchNorm the buffers agree anyway.
+    broadcast_buffers: bool = True
     # a file: rank 0's timed steps run under torch.profiler (CPU side: host calls, CUDA API
     # calls such as synchronizations, collectives) and its table is written there
     profile: str = ""
@@ -144,7 +148,8 @@ def _train(rank: int, world_size: int, job: Job, device: torch.device) -> dict:
     net = make_model(job, device, distributed=job.ddp)
     loss_fn = type(net).loss
     model = nn.parallel.DistributedDataParallel(
-        net, device_ids=[device.index] if device.type == "cuda" else None) if job.ddp else net
+        net, device_ids=[device.index] if device.type == "cuda" else None,
+        broadcast_buffers=job.broadcast_buffers) if job.ddp else net
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     if job.record_grads:
         batch = batches_for(job, rank, 1, device)[0]

@@ -21,6 +21,7 @@ CPU (gloo; flexplan's torch-op path, no torch-sync): add --device cpu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -131,6 +132,19 @@ def _rank(rank: int, world: int, args, init_file: str, out_dir: str) -> None:
                 bn = _module(variant, channels, device)
                 results[(channels, variant)] = _timed(lambda: bn(x).backward(grad), args.calls,
                                                       device)
+                if args.profile and variant in args.profile.split(","):
+                    # (every rank runs the calls: their collectives pair up; rank 0 records)
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with (profile(activities=[ProfilerActivity.CPU]) if rank == 0
+                          else contextlib.nullcontext()) as prof:
+                        for _ in range(50):
+                            bn(x).backward(grad)
+                        _sync(device)
+                    if rank == 0:
+                        print(f"rank 0, C {channels}, {variant}, 50 calls under torch.profiler:\n"
+                              + prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                          row_limit=25), flush=True)
     finally:
         sync_batchnorm.direct_all_reduce = True
         dist.destroy_process_group()
@@ -144,6 +158,9 @@ def main() -> int:
     p.add_argument("--channels", default="16,64,128")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--profile", default="",
+                   help="variants (comma-separated) whose calls rank 0 also runs under "
+                        "torch.profiler (CPU side), printing its table")
     args = p.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
         p.error(f"--world {args.world}: {torch.cuda.device_count()} GPUs here")

@@ -99,6 +99,61 @@ def _timed(op, calls: int, device: torch.device) -> tuple[float, float]:
     return (time.perf_counter() - start) / calls, (queued - start) / calls
 
 
+class _Identity(torch.autograd.Function):
+    """An autograd Function doing nothing: what a Python Function's forward + backward cost."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _parts(x: torch.Tensor, grad: torch.Tensor, calls: int, device) -> dict:
+    """Host us per call of each piece of flexplan's SyncBatchNorm kernel path (every rank runs
+    the same pieces in the same order: the collectives pair up)."""
+    from flexplan.nn import sync_batchnorm as sbn
+
+    channels = x.shape[1]
+    group = dist.group.WORLD
+    bn = sbn.SyncBatchNorm(channels, eps=1e-3, momentum=0.01).to(device)
+    xd = x.detach()
+    mean, invstd = torch.batch_norm_stats(xd, 0.0)
+    packed = sbn.pack_sums(mean, invstd, xd.shape[0])
+    stats, count = sbn.finalize_sums(packed, torch.float32, 1e-3, 0.01, bn.num_batches_tracked,
+                                     bn.running_mean, bn.running_var)
+    m, s = stats[0], stats[1]
+    w = bn.weight.detach().float()
+    sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(grad, xd, m, s, w, True, True,
+                                                                True)
+    combined = torch.cat([sum_dy, sum_dy_xmu])
+    y = x.detach().requires_grad_(True)
+    pieces = {
+        "nbt.add_(1)": lambda: bn.num_batches_tracked.add_(1),
+        "batch_norm_stats": lambda: torch.batch_norm_stats(xd, 0.0),
+        "pack_sums (empty + launch)": lambda: sbn.pack_sums(mean, invstd, xd.shape[0]),
+        "all_reduce_sum": lambda: sbn.all_reduce_sum(packed, group),
+        "finalize_sums (2 empty + launch)": lambda: sbn.finalize_sums(
+            packed, torch.float32, 1e-3, 0.01, bn.num_batches_tracked, bn.running_mean,
+            bn.running_var),
+        "stats[0], stats[1]": lambda: (stats[0], stats[1]),
+        "batch_norm_elemt": lambda: torch.batch_norm_elemt(xd, w, w, m, s, 1e-3),
+        "batch_norm_backward_reduce": lambda: torch.batch_norm_backward_reduce(
+            grad, xd, m, s, w, True, True, True),
+        "cat": lambda: torch.cat([sum_dy, sum_dy_xmu]),
+        "slices": lambda: (combined[:channels], combined[channels:]),
+        "batch_norm_backward_elemt": lambda: torch.batch_norm_backward_elemt(
+            grad, xd, m, s, w, sum_dy, sum_dy_xmu, count),
+        "module._group()": bn._group,
+        "Identity Function fwd + bwd": lambda: _Identity.apply(y).backward(grad),
+        "module fwd + bwd": lambda: bn(y).backward(grad),
+        "module fwd (no_grad input)": lambda: bn(xd),
+    }
+    return {name: _timed(op, calls, device)[1] for name, op in pieces.items()}
+
+
 def _rank(rank: int, world: int, args, init_file: str, out_dir: str) -> None:
     from flexplan.nn import sync_batchnorm
 
@@ -111,6 +166,14 @@ def _rank(rank: int, world: int, args, init_file: str, out_dir: str) -> None:
     dtype = torch.float16 if cuda else torch.float32
     results, raw = {}, None
     try:
+        if args.parts:
+            gen = torch.Generator().manual_seed(rank)
+            channels = int(args.channels.split(",")[0])
+            x = torch.randn(args.rows, channels, generator=gen).to(device, dtype)
+            grad = torch.randn(args.rows, channels, generator=gen).to(device, dtype)
+            results = _parts(x, grad, args.calls, device)
+            torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+            return
         for channels in (int(c) for c in args.channels.split(",")):
             gen = torch.Generator().manual_seed(rank)
             x = torch.randn(args.rows, channels, generator=gen).to(device, dtype)
@@ -158,6 +221,9 @@ def main() -> int:
     p.add_argument("--channels", default="16,64,128")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--parts", action="store_true",
+                   help="instead: host us per call of each piece of flexplan's SyncBatchNorm "
+                        "(CUDA kernel path; the first of --channels)")
     p.add_argument("--profile", default="",
                    help="variants (comma-separated) whose calls rank 0 also runs under "
                         "torch.profiler (CPU side), printing its table")
@@ -169,6 +235,12 @@ def main() -> int:
         mp.spawn(_rank, args=(args.world, args, init_file, out_dir), nprocs=args.world)
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(args.world)]
     where = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (gloo)"
+    if args.parts:
+        print(f"{where}, {args.world} ranks, {args.rows} x {args.channels.split(',')[0]}, "
+              f"{args.calls} calls: host us per call, the slowest rank")
+        for name in ranks[0]:
+            print(f"| {name} | {max(r[name] for r in ranks) * 1e6:.1f} |")
+        return 0
     print(f"{where}, {args.world} ranks, {args.rows} rows per rank, {args.calls} calls: us per "
           "BatchNorm forward + backward, or per collective (allreduce-*), the slowest rank: "
           "until the GPU finished / the host's queueing alone")

@@ -111,6 +111,41 @@ class _Identity(torch.autograd.Function):
         return g
 
 
+class _ReduceInBackward(torch.autograd.Function):
+    """An Identity whose backward all-reduces a small tensor (the autograd thread's collective)."""
+
+    @staticmethod
+    def forward(ctx, x, stats, group):
+        ctx.stats, ctx.group = stats, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        from flexplan.nn import sync_batchnorm as sbn
+
+        sbn.all_reduce_sum(ctx.stats, ctx.group)
+        return g, None, None
+
+
+class _OpsInBackward(torch.autograd.Function):
+    """An Identity whose backward runs the SyncBatchNorm backward's torch ops, no collective."""
+
+    @staticmethod
+    def forward(ctx, x, xd, m, s, w, count):
+        ctx.save_for_backward(xd, m, s, w, count)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        xd, m, s, w, count = ctx.saved_tensors
+        c = xd.shape[1]
+        sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(g, xd, m, s, w, True, True,
+                                                                    True)
+        combined = torch.cat([sum_dy, sum_dy_xmu])
+        return (torch.batch_norm_backward_elemt(g, xd, m, s, w, combined[:c], combined[c:],
+                                                count), None, None, None, None, None)
+
+
 def _parts(x: torch.Tensor, grad: torch.Tensor, calls: int, device) -> dict:
     """Host us per call of each piece of flexplan's SyncBatchNorm kernel path (every rank runs
     the same pieces in the same order: the collectives pair up)."""
@@ -148,6 +183,10 @@ def _parts(x: torch.Tensor, grad: torch.Tensor, calls: int, device) -> dict:
             grad, xd, m, s, w, sum_dy, sum_dy_xmu, count),
         "module._group()": bn._group,
         "Identity Function fwd + bwd": lambda: _Identity.apply(y).backward(grad),
+        "Identity, all_reduce_sum in its backward": lambda: _ReduceInBackward.apply(
+            y, packed, group).backward(grad),
+        "Identity, the backward's torch ops in its backward": lambda: _OpsInBackward.apply(
+            y, xd, m, s, w, count).backward(grad),
         "module fwd + bwd": lambda: bn(y).backward(grad),
         "module fwd (no_grad input)": lambda: bn(xd),
     }

@@ -29,30 +29,42 @@ def finalize_kernel(packed_ptr, consts_ptr, nbt_ptr, stats_ptr, count_ptr, rm_pt
                      channels, TRACK: tl.constexpr, CUMULATIVE: tl.constexpr,
                      BLOCK: tl.constexpr):
     """From the all-reduced sums: stats[0] = mean, stats[1] = 1/sqrt(var + eps) (biased var),
-    count = the global row count (int32, for batch_norm_backward_elemt), and with TRACK the
-    running statistics moved towards mean and the unbiased var by momentum (consts[1]) or by
-    1 / num_batches_tracked (CUMULATIVE); by nothing where no rank had rows. consts[0] = eps.
-    All in float64, stored in each output's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < channels
+    count = the global row count (int32, for batch_norm_backward_elemt), and with TRACK
+    num_batches_tracked incremented and the running statistics moved towards mean and the
+    unbiased var by momentum (consts[1]) or by 1 / num_batches_tracked (CUMULATIVE, the
+    incremented count); by nothing where no rank had rows. consts[0] = eps. All in float64,
+    stored in each output's dtype. One program, a loop over the channels: the increment is
+    made once and read by every channel (the module's own add_ of it was one launch more per
+    layer and step)."""
     total = tl.load(packed_ptr + 2 * channels)
     rows = tl.maximum(total, 1.0)
-    mean = tl.load(packed_ptr + offs, mask=mask, other=0.0) / rows
-    ex2 = tl.load(packed_ptr + channels + offs, mask=mask, other=0.0) / rows
-    var = tl.maximum(ex2 - mean * mean, 0.0)
-    invstd = 1.0 / tl.sqrt(var + tl.load(consts_ptr))  # float64: correctly rounded
-    tl.store(stats_ptr + offs, mean.to(stats_ptr.dtype.element_ty), mask=mask)
-    tl.store(stats_ptr + channels + offs, invstd.to(stats_ptr.dtype.element_ty), mask=mask)
+    eps = tl.load(consts_ptr)
+    lane = tl.arange(0, BLOCK)
     whole = tl.zeros([BLOCK], dtype=tl.float64) + total
-    tl.store(count_ptr + offs * 0, whole.to(tl.int32), mask=offs == 0)
+    tl.store(count_ptr + lane * 0, whole.to(tl.int32), mask=lane == 0)
+    w = 0.0
     if TRACK:
+        nbt = tl.load(nbt_ptr) + 1
+        tl.store(nbt_ptr, nbt)
         if CUMULATIVE:
-            w = 1.0 / tl.load(nbt_ptr).to(tl.float64)
+            w = 1.0 / nbt.to(tl.float64)
         else:
             w = tl.load(consts_ptr + 1)
         w = tl.where(total > 0, w, 0.0)
-        unbiased = var * total / tl.maximum(total - 1.0, 1.0)  # one row in all: 0, not NaN
-        rm = tl.load(rm_ptr + offs, mask=mask, other=0.0).to(tl.float64)
-        rv = tl.load(rv_ptr + offs, mask=mask, other=0.0).to(tl.float64)
-        tl.store(rm_ptr + offs, (rm + w * (mean - rm)).to(rm_ptr.dtype.element_ty), mask=mask)
-        tl.store(rv_ptr + offs, (rv + w * (unbiased - rv)).to(rv_ptr.dtype.element_ty), mask=mask)
+    for start in range(0, channels, BLOCK):
+        offs = start + lane
+        mask = offs < channels
+        mean = tl.load(packed_ptr + offs, mask=mask, other=0.0) / rows
+        ex2 = tl.load(packed_ptr + channels + offs, mask=mask, other=0.0) / rows
+        var = tl.maximum(ex2 - mean * mean, 0.0)
+        invstd = 1.0 / tl.sqrt(var + eps)  # float64: correctly rounded
+        tl.store(stats_ptr + offs, mean.to(stats_ptr.dtype.element_ty), mask=mask)
+        tl.store(stats_ptr + channels + offs, invstd.to(stats_ptr.dtype.element_ty), mask=mask)
+        if TRACK:
+            unbiased = var * total / tl.maximum(total - 1.0, 1.0)  # one row in all: 0, not NaN
+            rm = tl.load(rm_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+            rv = tl.load(rv_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+            tl.store(rm_ptr + offs, (rm + w * (mean - rm)).to(rm_ptr.dtype.element_ty),
+                     mask=mask)
+            tl.store(rv_ptr + offs, (rv + w * (unbiased - rv)).to(rv_ptr.dtype.element_ty),
+                     mask=mask)

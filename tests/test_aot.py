@@ -299,7 +299,6 @@ def test_registry_reproduces_the_ops_launches(monkeypatch):
         var, mean = torch.var_mean(feats, 0, correction=0)
         packed = sbn.pack_sums(mean, var.rsqrt(), len(coords))  # batch_norm_stats' (sd)
         bn = sbn.SyncBatchNorm(16, dtype=running)
-        bn.num_batches_tracked.add_(1)  # (as its forward does before)
         for momentum in (0.1, None):
             sbn.finalize_sums(packed, sd, bn.eps, momentum, bn.num_batches_tracked,
                               bn.running_mean, bn.running_var)

@@ -406,12 +406,13 @@ def test_cuda_path_kernels_equal_the_torch_formulas(momentum, running_dtype):
     single = torch.cat([x[0], x[0] * x[0], torch.ones(1, dtype=F64)])  # one row in all
     for packed in (want, single, torch.zeros(11, dtype=F64)):
         for sd in (torch.float32, F64):
-            nbt = torch.tensor(3)
+            nbt, nbt_ref = torch.tensor(3), torch.tensor(3)
             run = [torch.linspace(-1, 1, 5, dtype=running_dtype),
                    torch.linspace(1, 2, 5, dtype=running_dtype)]
             ref = [t.clone() for t in run]
             stats, count = sbn.finalize_sums(packed, sd, EPS, momentum, nbt, *run)
-            mean_w, _, invstd_w = sbn._torch_finalize(packed, sd, EPS, momentum, nbt, *ref)
+            mean_w, _, invstd_w = sbn._torch_finalize(packed, sd, EPS, momentum, nbt_ref, *ref)
+            assert nbt.item() == nbt_ref.item() == 4  # both count the batch
             assert stats.dtype == sd and count.dtype == torch.int32
             assert count.item() == packed[-1].item()
             torch.testing.assert_close(stats[0], mean_w, rtol=1e-12, atol=1e-12)
@@ -424,6 +425,29 @@ def test_cuda_path_kernels_equal_the_torch_formulas(momentum, running_dtype):
                                            atol=1e-12 if running_dtype == F64 else 1e-3)
             if packed[-1] == 0:  # no rows anywhere: running statistics kept
                 assert torch.equal(run[0], torch.linspace(-1, 1, 5, dtype=running_dtype))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_cuda_path_finalize_loops_over_wide_layers(momentum):
+    """finalize_kernel is one program looping over blocks of channels: more channels than a
+    block (and not a multiple of it) all get their statistics, and the batch is counted once."""
+    from flexplan.nn import sync_batchnorm as sbn
+
+    channels = 2 * sbn._BLOCK + 37
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(7, channels, generator=gen, dtype=F64) * 2 + 5
+    packed = torch.cat([x.sum(0), (x * x).sum(0), torch.tensor([7.0], dtype=F64)])
+    nbt, nbt_ref = torch.tensor(4), torch.tensor(4)
+    run = [torch.zeros(channels), torch.ones(channels)]
+    ref = [t.clone() for t in run]
+    stats, count = sbn.finalize_sums(packed, torch.float32, EPS, momentum, nbt, *run)
+    mean_w, _, invstd_w = sbn._torch_finalize(packed, torch.float32, EPS, momentum, nbt_ref,
+                                              *ref)
+    assert nbt.item() == nbt_ref.item() == 5 and count.item() == 7
+    torch.testing.assert_close(stats[0], mean_w, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stats[1], invstd_w, rtol=1e-5, atol=0)
+    for a, b in zip(run, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_convert_sync_batchnorm_keeps_parameters_buffers_and_settings():

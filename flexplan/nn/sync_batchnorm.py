@@ -30,7 +30,7 @@ of issue #26 a kernel launch cost the host ~10 us, a small all_reduce ~45 us, an
 statistics as ~25 torch ops cost more host time than torch's SyncBatchNorm with its sync). So a
 CUDA training forward is torch's own batch_norm_stats, one Triton kernel packing the sums, the
 all_reduce, one Triton kernel turning the sums into mean / invstd and updating the running
-statistics (kernels_src/batchnorm_stats.py), and torch's batch_norm_elemt; a backward is torch's
+statistics and num_batches_tracked (kernels_src/batchnorm_stats.py), and torch's batch_norm_elemt; a backward is torch's
 batch_norm_backward_reduce, a cat, the all_reduce and batch_norm_backward_elemt (the kernels
 torch's SyncBatchNorm uses). That is the default on NVIDIA GPUs (module attribute use_kernels;
 FLEXPLAN_SYNC_BN_KERNELS=0 turns it off, =1 on, also on ROCm, where it has not run); CPU
@@ -114,12 +114,13 @@ def launch_pack(run, mean: STATS, invstd: STATS, out: FLOAT64, channels: int,
 def launch_finalize(run, packed: FLOAT64, consts: FLOAT64, num_batches_tracked: INT64,
                     stats: STATS, count: INT32, running_mean: RUNNING, running_var: RUNNING,
                     channels: int, track: bool, cumulative: bool) -> None:
-    """stats [2, C] and count [1] from the all-reduced sums; track: also the running statistics,
-    weighted by 1 / num_batches_tracked with cumulative, else by consts' momentum. The kernel
-    reads no pointer its flags turn off: those take `packed` / `stats` (any tensor would do,
-    these keep their dtypes fixed per specialization)."""
-    run(kernels.finalize_kernel, (-(-channels // _BLOCK),), packed, consts,
-        num_batches_tracked if cumulative else packed, stats, count,
+    """stats [2, C] and count [1] from the all-reduced sums; track: also num_batches_tracked
+    incremented and the running statistics, weighted by 1 / num_batches_tracked with
+    cumulative, else by consts' momentum. The kernel reads no pointer its flags turn off: those
+    take `packed` / `stats` (any tensor would do, these keep their dtypes fixed per
+    specialization). One program (the increment made once)."""
+    run(kernels.finalize_kernel, (1,), packed, consts,
+        num_batches_tracked if track else packed, stats, count,
         running_mean if track else stats, running_var if track else stats, channels,
         TRACK=track, CUMULATIVE=cumulative, BLOCK=_BLOCK)
 
@@ -135,11 +136,12 @@ def pack_sums(mean: torch.Tensor, invstd: torch.Tensor, rows: int) -> torch.Tens
 def finalize_sums(packed: torch.Tensor, stats_dtype: torch.dtype, eps: float, momentum,
                   num_batches_tracked, running_mean, running_var):
     """The kernel path's (stats [2, C]: mean and invstd, count int32 [1]) from the all-reduced
-    sums, updating the running statistics when given (see kernels.finalize_kernel)."""
+    sums; with running statistics, num_batches_tracked incremented and the running statistics
+    updated (see kernels.finalize_kernel)."""
     channels = (packed.shape[0] - 1) // 2
     stats = torch.empty(2, channels, dtype=stats_dtype, device=packed.device)
     count = torch.empty(1, dtype=torch.int32, device=packed.device)
-    track = running_mean is not None
+    track = _tracking(running_mean, num_batches_tracked)
     consts = _consts(packed.device, float(eps), 0.0 if momentum is None else float(momentum))
     launch_finalize(launch, packed, consts, num_batches_tracked, stats, count, running_mean,
                     running_var, channels, track, track and momentum is None)
@@ -154,9 +156,19 @@ def _torch_local_sums(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([mean, torch.addcmul(var, mean, mean), mean.new_ones(1)]).mul_(rows)
 
 
+def _tracking(running_mean, num_batches_tracked) -> bool:
+    """Whether a finalize updates running statistics (then it counts the batch too)."""
+    if running_mean is not None and num_batches_tracked is None:
+        raise ValueError("running statistics are tracked with num_batches_tracked")
+    return running_mean is not None
+
+
 def _torch_finalize(packed, sd, eps, momentum, num_batches_tracked, running_mean, running_var):
-    """(mean, var, invstd) in `sd` from the all-reduced sums; updates the running stats."""
+    """(mean, var, invstd) in `sd` from the all-reduced sums; with running statistics,
+    num_batches_tracked incremented and the running statistics updated."""
     channels = (packed.shape[0] - 1) // 2
+    if _tracking(running_mean, num_batches_tracked):
+        num_batches_tracked.add_(1)
     total = packed[2 * channels:]
     moments = packed[:2 * channels].view(2, channels) / total.clamp(min=1)
     mean64 = moments[0]
@@ -207,8 +219,8 @@ def _sum_options():
 
 class _SyncBatchNormFunction(torch.autograd.Function):
     """Training-mode batch norm over the rows of every rank of `group` (group None: this
-    process alone, no collective). Updates running_mean / running_var in place when given
-    (momentum None: the cumulative average over num_batches_tracked)."""
+    process alone, no collective). Updates running_mean / running_var in place when given, and
+    increments num_batches_tracked then (momentum None: the cumulative average over it)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, eps,
@@ -235,7 +247,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if cuda:
             stats, count = finalize_sums(packed, sd, eps, momentum, num_batches_tracked,
                                          running_mean, running_var)
-            mean, invstd = stats[0], stats[1]
+            mean, invstd = stats.unbind(0)
             if rows == 0:
                 out = torch.empty_like(x)
             else:
@@ -298,7 +310,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             combined = torch.cat([sum_dy, sum_dy_xmu])
             if ctx.group is not None:
                 all_reduce_sum(combined, ctx.group)
-            sum_dy, sum_dy_xmu = combined[:channels], combined[channels:]
+            sum_dy, sum_dy_xmu = combined.split(channels)
             if rows == 0:
                 grad_input = torch.empty_like(x)
             elif ctx.kernels:
@@ -348,14 +360,14 @@ class SyncBatchNorm(_BatchNorm):
         if input.size(1) == 0:
             raise ValueError("SyncBatchNorm number of input channels should be non-zero")
         tracking = self.training and self.track_running_stats
-        if tracking:
-            self.num_batches_tracked.add_(1)
         # Batch statistics in training, and in eval mode without running statistics (as torch).
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         running_mean = self.running_mean if not self.training or self.track_running_stats else None
         running_var = self.running_var if not self.training or self.track_running_stats else None
         group = self._group()
         if group is None and not (tracking and self.momentum is None):
+            if tracking:  # (the Function below counts the batch itself, in its finalize)
+                self.num_batches_tracked.add_(1)
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 bn_training, 0.0 if self.momentum is None else self.momentum,
                                 self.eps)

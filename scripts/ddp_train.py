@@ -171,7 +171,8 @@ def _train(rank: int, world_size: int, job: Job, device: torch.device) -> dict:
             for b in batches[job.warmup:]:
                 host.append(train_step(model, loss_fn, opt, b, sp, job.scans_per_rank))
             torch.cuda.synchronize(device)
-        times = [(time.perf_counter() - start) / job.steps] * job.steps
+            # (inside: a profiler's own flush at its exit is not the window's)
+            times = [(time.perf_counter() - start) / job.steps] * job.steps
         if profiler is not None and job.trace:
             profiler.export_chrome_trace(f"{job.trace}-rank{rank}.json")
         elif profiler is not None:

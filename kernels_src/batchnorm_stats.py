@@ -44,8 +44,9 @@ def finalize_kernel(packed_ptr, consts_ptr, nbt_ptr, stats_ptr, count_ptr, rm_pt
     tl.store(count_ptr + lane * 0, whole.to(tl.int32), mask=lane == 0)
     w = 0.0
     if TRACK:
-        nbt = tl.load(nbt_ptr) + 1
-        tl.store(nbt_ptr, nbt)
+        # (one atomic, its old value shared by every thread: a load and a store by thread 0
+        # could let another warp load the count already incremented)
+        nbt = tl.atomic_add(nbt_ptr, 1) + 1
         if CUMULATIVE:
             w = 1.0 / nbt.to(tl.float64)
         else:

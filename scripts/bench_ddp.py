@@ -175,11 +175,13 @@ def summary(rows: list[dict], meta: dict) -> list[str]:
              "nn.SyncBatchNorm; flexplan: flexplan.nn.SyncBatchNorm, no host syncs), "
              "per-rank BatchNorm, or no DDP (each rank trains alone). DistributedDataParallel's "
              f"broadcast_buffers {meta.get('broadcast_buffers', True)}." + (
-                 " Profiled (--profile): rank 0's steps ran under torch.profiler, their times "
-                 "include its cost." if meta.get("profiled") else ""), "",
+                 " Profiled (--profile: rank 0's steps under torch.profiler, CPU side; --trace: "
+                 "every rank's, CUDA activity): their times include its cost."
+                 if meta.get("profiled") else ""), "",
              "Host ms: each rank's host time per step (mean) making the input tensor, whose "
-             "coordinate check waits for the GPU to finish the step before (a GPU lagging its "
-             "host shows there), and running the rest of the step.", "",
+             "coordinate check (flexplan's; spconv checks nothing) waits for the GPU to finish "
+             "the step before (with window timing a GPU lagging its host shows there), and "
+             "running the rest of the step.", "",
              "| library | BatchNorm | GPUs | step ms | scans/s | scaling vs 1 GPU "
              "| voxels per rank | compiles | host ms: input / rest, by rank |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -110,9 +110,10 @@ def batches_for(job: Job, rank: int, count: int, device: torch.device) -> list:
 
 
 def train_step(model, loss_fn, opt, batch, sp, batch_size: int) -> tuple[float, float]:
-    """One step; (host seconds making the input tensor, host seconds for the rest). Making the
-    tensor checks new coordinates, which waits for the GPU to finish the work queued before:
-    a GPU that lags its host shows there."""
+    """One step; (host seconds making the input tensor, host seconds for the rest). Making a
+    flexplan tensor checks new coordinates, which waits for the GPU to finish the work queued
+    before: with window timing a GPU that lags its host shows there (spconv's tensor checks
+    nothing; with step timing the GPU is drained before every step)."""
     start = time.perf_counter()
     x = sp.SparseConvTensor(batch.features, batch.indices, list(batch.spatial_shape), batch_size)
     made = time.perf_counter()
@@ -163,16 +164,18 @@ def _train(rank: int, world_size: int, job: Job, device: torch.device) -> dict:
     compiles_before = _compiles()
     times, host = [], []
     if job.timing == "window":
+        profiler = _profiler(job, rank)
+        if profiler is not None:  # (started before the barrier: its start-up is not timed)
+            profiler.start()
         torch.cuda.synchronize(device)
         dist.barrier()
-        profiler = _profiler(job, rank)
         start = time.perf_counter()
-        with profiler or contextlib.nullcontext():
-            for b in batches[job.warmup:]:
-                host.append(train_step(model, loss_fn, opt, b, sp, job.scans_per_rank))
-            torch.cuda.synchronize(device)
-            # (inside: a profiler's own flush at its exit is not the window's)
-            times = [(time.perf_counter() - start) / job.steps] * job.steps
+        for b in batches[job.warmup:]:
+            host.append(train_step(model, loss_fn, opt, b, sp, job.scans_per_rank))
+        torch.cuda.synchronize(device)
+        times = [(time.perf_counter() - start) / job.steps] * job.steps
+        if profiler is not None:  # (stopped after the window: its flush is not timed)
+            profiler.stop()
         if profiler is not None and job.trace:
             profiler.export_chrome_trace(f"{job.trace}-rank{rank}.json")
         elif profiler is not None:

@@ -142,7 +142,7 @@ class _OpsInBackward(torch.autograd.Function):
         sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(g, xd, m, s, w, True, True,
                                                                     True)
         combined = torch.cat([sum_dy, sum_dy_xmu])
-        return (torch.batch_norm_backward_elemt(g, xd, m, s, w, combined[:c], combined[c:],
+        return (torch.batch_norm_backward_elemt(g, xd, m, s, w, *combined.split(c),
                                                 count), None, None, None, None, None)
 
 
@@ -166,19 +166,18 @@ def _parts(x: torch.Tensor, grad: torch.Tensor, calls: int, device) -> dict:
     combined = torch.cat([sum_dy, sum_dy_xmu])
     y = x.detach().requires_grad_(True)
     pieces = {
-        "nbt.add_(1)": lambda: bn.num_batches_tracked.add_(1),
         "batch_norm_stats": lambda: torch.batch_norm_stats(xd, 0.0),
         "pack_sums (empty + launch)": lambda: sbn.pack_sums(mean, invstd, xd.shape[0]),
         "all_reduce_sum": lambda: sbn.all_reduce_sum(packed, group),
-        "finalize_sums (2 empty + launch)": lambda: sbn.finalize_sums(
+        "finalize_sums (2 empty + launch; counts the batch)": lambda: sbn.finalize_sums(
             packed, torch.float32, 1e-3, 0.01, bn.num_batches_tracked, bn.running_mean,
             bn.running_var),
-        "stats[0], stats[1]": lambda: (stats[0], stats[1]),
+        "stats.unbind(0)": lambda: stats.unbind(0),
         "batch_norm_elemt": lambda: torch.batch_norm_elemt(xd, w, w, m, s, 1e-3),
         "batch_norm_backward_reduce": lambda: torch.batch_norm_backward_reduce(
             grad, xd, m, s, w, True, True, True),
         "cat": lambda: torch.cat([sum_dy, sum_dy_xmu]),
-        "slices": lambda: (combined[:channels], combined[channels:]),
+        "combined.split(C)": lambda: combined.split(channels),
         "batch_norm_backward_elemt": lambda: torch.batch_norm_backward_elemt(
             grad, xd, m, s, w, sum_dy, sum_dy_xmu, count),
         "module._group()": bn._group,
@@ -267,6 +266,11 @@ def main() -> int:
                    help="variants (comma-separated) whose calls rank 0 also runs under "
                         "torch.profiler (CPU side), printing its table")
     args = p.parse_args()
+    if args.parts and args.device != "cuda":
+        p.error("--parts times the CUDA kernel path: it needs --device cuda")
+    unknown = set(filter(None, args.profile.split(","))) - set(VARIANTS[:4])
+    if unknown:
+        p.error(f"--profile {args.profile}: profiles the layer variants {VARIANTS[:4]}")
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
         p.error(f"--world {args.world}: {torch.cuda.device_count()} GPUs here")
     with tempfile.TemporaryDirectory() as out_dir:

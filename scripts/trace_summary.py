@@ -9,6 +9,9 @@ copies) and its NCCL kernels (count, time: a collective's kernel runs from when 
 stream reaches it until every rank's has, so its time is mostly waiting for the peers), and
 the host's CUDA API calls by name (count, total, longest): synchronizations and blocking
 copies are where the host waited for the GPU. --steps divides the totals per step.
+--callers NAME (a trace with CPU activity and Python stacks, as profile_host.py --copies
+records; bench_ddp --trace records CUDA activity only, where it finds nothing): the CUDA API
+calls of that name by the op and the innermost Python frames around each.
 """
 from __future__ import annotations
 

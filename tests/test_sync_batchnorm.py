@@ -379,6 +379,7 @@ def test_one_process_equals_batchnorm(world, momentum, tmp_path, monkeypatch):
         ref.eval()
         x = torch.randn(4, 5, generator=gen, dtype=F64)
         torch.testing.assert_close(m(x), ref(x), rtol=1e-12, atol=1e-12)
+        assert m.num_batches_tracked.item() == ref.num_batches_tracked.item() == 3  # (eval: none)
     finally:
         if world == "one":
             dist.destroy_process_group()
@@ -532,9 +533,34 @@ def test_ddp_train_job_converts_with_the_chosen_implementation():
 # --- two GPUs: against torch's SyncBatchNorm, and CUDA's sync debug mode -------------------
 
 GPU_CASES = ("uneven", "empty_rank", "one_row", "fp32_at_100", "fp16_at_100", "fp16_model",
-             "nchw")
+             "nchw", "cumulative")
 GPU_TOL = {F64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=1e-4, atol=1e-4),
            torch.float16: dict(rtol=5e-3, atol=5e-3)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_cuda_module_without_group_counts_and_tracks_as_batchnorm(momentum):
+    """One GPU, no process group: with momentum None the module takes the kernel path (its
+    finalize counts the batch and weighs the running statistics by it), with a momentum plain
+    F.batch_norm; over steps and a layer wider than a block (several warps read the count the
+    kernel increments), both as torch's BatchNorm1d, and eval mode counts nothing."""
+    from flexplan.nn import sync_batchnorm as sbn
+
+    channels, device = 2 * sbn._BLOCK + 37, torch.device("cuda")
+    ours = SyncBatchNorm(channels, momentum=momentum).to(device)
+    ref = nn.BatchNorm1d(channels, momentum=momentum).to(device)
+    gen = torch.Generator(device=device).manual_seed(3)
+    for step in range(3):
+        x = torch.randn(50 + step, channels, device=device, generator=gen) * 2 + step
+        torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(ours, name), getattr(ref, name), rtol=1e-5,
+                                   atol=1e-6, msg=name)
+    ours.eval()
+    ours(x)
+    assert ours.num_batches_tracked.item() == 3
 
 
 def _nccl_rank(rank, world, init_file, out_dir):

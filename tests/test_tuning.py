@@ -349,3 +349,17 @@ def test_new_row_counts_every_call_ask_dispatch_few_questions():
             resolve_algo("auto", part, n if part != "wgrad" else 9 * n, 32, 32, 27, "float16")
     assert choose_algo.cache_info().currsize <= 3 * 3
     assert heuristic_config.cache_info().currsize <= 3 * 3
+
+
+def test_tune_cli_takes_shells_with_their_channels_in_and_out():
+    """--shells R:C means C channels in and out, R:Ci:Co a shell of Ci -> Co (a decoder's
+    merge, a strided conv's widening); anything else is refused."""
+    import argparse
+
+    from flexplan.tuning.cli import _shells, _shells_of
+
+    assert _shells("150:32:16,92:64") == ((150, 32, 16), (92, 64, 64))
+    assert _shells_of(((16, 1024), (150, 32, 16))) == ((16, 1024, 1024), (150, 32, 16))
+    for bad in ("", "1:2:3:4", "64", "a:b", "64:0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _shells(bad)

@@ -2,6 +2,7 @@
 
     python -m flexplan tune                     tune the default grid, merge into this GPU's table
     python -m flexplan tune --shells 64:256,128:64 --dtypes float16 --parts fwd
+    python -m flexplan tune --shells 150:32:16          a shell with Ci 32 -> Co 16
     python -m flexplan tune --out table.json    write there instead (e.g. a table to ship)
     python -m flexplan tune --show              where the tables are and what they hold
 """
@@ -21,10 +22,14 @@ DEFAULT_DTYPES = ("float16", "tf32")
 
 
 def _shells(text: str):
+    """R:C (C channels in and out) or R:Ci:Co, comma separated -> ((R, Ci, Co), ...)."""
     try:
-        return tuple(tuple(int(x) for x in item.split(":")) for item in text.split(",") if item)
+        shells = tuple(tuple(int(x) for x in item.split(":")) for item in text.split(",") if item)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected R:C[,R:C...], got {text!r}") from None
+        shells = ()
+    if not shells or any(len(s) not in (2, 3) or min(s) < 1 for s in shells):
+        raise argparse.ArgumentTypeError(f"expected R:C or R:Ci:Co[,...], got {text!r}")
+    return tuple(s if len(s) == 3 else (s[0], s[1], s[1]) for s in shells)
 
 
 def _names(text: str):
@@ -35,7 +40,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m flexplan tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shells", type=_shells, default=DEFAULT_SHELLS,
-                   help="sphere shells R:C (grid resolution : channels), comma separated")
+                   help="sphere shells R:C (grid resolution : channels in and out) or R:Ci:Co, "
+                        "comma separated")
     p.add_argument("--dtypes", type=_names, default=DEFAULT_DTYPES, help="e.g. float16,tf32")
     p.add_argument("--parts", type=_names, default=PARTS, help="fwd,dgrad,wgrad")
     p.add_argument("--algo", default="auto", help="algorithm to tune (auto: what 'auto' runs)")
@@ -79,16 +85,21 @@ def tune_grid(args, device) -> list:
 
     deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     tuned = []
-    for resolution, channels in args.shells:
+    for resolution, ci, co in _shells_of(args.shells):
         for dtype in args.dtypes:
             if deadline is not None and time.monotonic() >= deadline:
-                print(f"time budget spent before shell R={resolution} C={channels} {dtype}")
+                print(f"time budget spent before shell R={resolution} Ci={ci} Co={co} {dtype}")
                 return tuned
-            work = shell_workload(resolution, channels, channels, dtype, device)
+            work = shell_workload(resolution, ci, co, dtype, device)
             cases = [part_case(work, part, args.algo) for part in args.parts]
             tuned += tune_cases(cases, bench=bench, max_trials=args.max_trials, deadline=deadline)
             del work, cases
     return tuned
+
+
+def _shells_of(shells) -> tuple:
+    """(R, Ci, Co) per shell: R:C pairs (DEFAULT_SHELLS) mean C in and out."""
+    return tuple(s if len(s) == 3 else (s[0], s[1], s[1]) for s in shells)
 
 
 def show(key) -> int:

@@ -363,3 +363,17 @@ def test_tune_cli_takes_shells_with_their_channels_in_and_out():
     for bad in ("", "1:2:3:4", "64", "a:b", "64:0"):
         with pytest.raises(argparse.ArgumentTypeError):
             _shells(bad)
+
+
+def test_a_float32_case_is_tuned_in_its_config_dtypes_bucket():
+    """Dispatch asks for float32 problems in their config dtype (tf32 on NVIDIA: one config
+    serves both), so a float32 case's problem is labelled so and its entry lands where
+    dispatch looks; its run stays float32's."""
+    from flexplan.kernel_configs import config_dtype
+    from flexplan.tuning.cases import part_case, shell_workload
+
+    work = shell_workload(6, 4, 8, "float32", torch.device("cpu"))
+    for part in ("fwd", "dgrad", "wgrad"):
+        case = part_case(work, part)
+        assert case.problem.dtype == config_dtype("float32", False) == "tf32"
+        assert case.run().dtype == torch.float32

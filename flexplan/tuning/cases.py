@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from ..geometry import ConvGeometry
-from ..kernel_configs import Problem
+from ..kernel_configs import Problem, config_dtype, runtime_is_hip
 # The ops' per-part launchers: the code a real call runs, config chosen by select_config.
 from ..ops.conv import dgrad_map, gather_gemm, resolve_algo, wgrad
 from ..planner import build_plan
@@ -70,7 +70,9 @@ def part_case(work: Workload, part: str, algo: str = "auto") -> "Case":
     else:
         raise ValueError(f"unknown part {part!r}")
     algo = resolve_algo(algo, part, n, ci, co, v, work.dtype)
-    problem = Problem(n, ci, co, v, work.dtype, algo, part)
+    # The problem as dispatch asks for it: in its config dtype (float32 on NVIDIA is tuned in
+    # tf32's buckets, whose one config serves both; its run stays float32's 3xTF32 kernels).
+    problem = Problem(n, ci, co, v, config_dtype(work.dtype, runtime_is_hip()), algo, part)
     if part == "fwd":
         def run():
             return gather_gemm(work.feats, w, None, plan.fwd, False, "fwd", algo, allow_tf32)

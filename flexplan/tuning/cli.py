@@ -3,6 +3,9 @@
     python -m flexplan tune                     tune the default grid, merge into this GPU's table
     python -m flexplan tune --shells 64:256,128:64 --dtypes float16 --parts fwd
     python -m flexplan tune --shells 150:32:16          a shell with Ci 32 -> Co 16
+    python -m flexplan tune --dtypes float32            tf32's buckets timed by float32's
+                                                        3xTF32 kernels (NVIDIA; one config
+                                                        serves both: name one of the two)
     python -m flexplan tune --out table.json    write there instead (e.g. a table to ship)
     python -m flexplan tune --show              where the tables are and what they hold
 """
@@ -42,7 +45,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shells", type=_shells, default=DEFAULT_SHELLS,
                    help="sphere shells R:C (grid resolution : channels in and out) or R:Ci:Co, "
                         "comma separated")
-    p.add_argument("--dtypes", type=_names, default=DEFAULT_DTYPES, help="e.g. float16,tf32")
+    p.add_argument("--dtypes", type=_names, default=DEFAULT_DTYPES,
+                   help="e.g. float16,tf32; float32 tunes tf32's buckets (on NVIDIA) by the "
+                        "3xTF32 kernels float32 models run")
     p.add_argument("--parts", type=_names, default=PARTS, help="fwd,dgrad,wgrad")
     p.add_argument("--algo", default="auto", help="algorithm to tune (auto: what 'auto' runs)")
     p.add_argument("--max-trials", type=int, default=32, help="configs measured per problem")
@@ -66,6 +71,12 @@ def main(argv=None) -> int:
     key = device_key(torch.cuda.current_device())
     if args.show:
         return show(key)
+    from ..kernel_configs import config_dtype, runtime_is_hip
+
+    if len({config_dtype(d, runtime_is_hip()) for d in args.dtypes}) < len(args.dtypes):
+        print(f"flexplan tune: --dtypes {','.join(args.dtypes)} names two dtypes of one config "
+              "dtype (float32 and tf32 on NVIDIA share tf32's buckets): name one")
+        return 2
     tuned = tune_grid(args, torch.device("cuda"))
     from .table import TuningTable, merge_into, user_table_path
 

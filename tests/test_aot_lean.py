@@ -308,3 +308,24 @@ def has_tf32_of(hip, arch):
     from flexplan.kernel_configs import has_tf32
 
     return has_tf32(hip, arch)
+
+
+def test_two_gpus_of_one_arch_get_both_their_configs_built(monkeypatch, tmp_path):
+    """Two shipped tables of one arch and Triton (an H100's, an H200's) may pick two configs for
+    one bucket: the arch's build holds the launches of both, as either GPU dispatches them."""
+    from flexplan.tuning.device import triton_version
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    bucket = Bucket("fwd", "masked", "float16", 27, 64, 64, 1 << 14)
+    picks = (KernelConfig(64, 64, 32, 1, 4, 3), KernelConfig(128, 64, 64, 1, 8, 4))
+    for name, config in zip(("a", "b"), picks):
+        gpu = DeviceKey(f"GPU {name}", "sm_90", 132, triton_version())
+        table.write_table(TuningTable(gpu, {bucket: Entry(config, 1, 2, 3)}),
+                          shipped / f"{name}.json")
+    monkeypatch.setattr(paths, "shipped_tables_dir", lambda: shipped)
+    assert len(coverage.target_table_list("sm_90")) == 2
+    launched = {launch.config for launch in coverage.conv_launches(
+        "sm_90", False, 228 * 1024, ((64, 64),), ("float16",), (27,), (1 << 14, 1 << 14),
+        algos=("masked",)) if launch.problem.part == "fwd"}
+    assert set(picks) <= launched

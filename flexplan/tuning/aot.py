@@ -106,16 +106,21 @@ def conv_launches(arch: str | None, hip: bool, shared_memory: int | None,
                   tables: dict | None = None, algos=("auto",)) -> tuple[ConvLaunch, ...]:
     """Every conv launch of the covered shapes on a GPU of this arch ("sm_90"), backend and shared
     memory per program; channel_pairs: (ci, co) pairs (default: every pair of AOT_WIDTHS, and
-    EXTRA_CHANNEL_PAIRS); tables: {Bucket: KernelConfig} (default: the shipped tables for arch);
-    algos: what the layers ask for ("auto", the layers' default, or algorithms by name).
-    Deduplicated, in a stable order (dtypes, parts, channels, volumes)."""
-    if tables is None:
-        tables = target_tables(arch)
+    EXTRA_CHANNEL_PAIRS); tables: {Bucket: KernelConfig} (default: the shipped tables for arch,
+    each GPU's in turn: two GPUs of one arch (an H100, an H200) may pick two configs for one
+    bucket, and a bundle of the arch serves both); algos: what the layers ask for ("auto", the
+    layers' default, or algorithms by name). Deduplicated, in a stable order (dtypes, parts,
+    channels, volumes)."""
+    per_gpu = target_table_list(arch) if tables is None else [tables]
     if not has_tf32(hip, arch):  # dispatch runs such a GPU's TF32 requests exact (ops/conv.py)
         dtypes = tuple(d for d in dtypes if d != "tf32")
     pairs = tuple(channel_pairs) if channel_pairs is not None else default_channel_pairs()
-    return _conv_launches(hip, shared_memory, pairs, tuple(dtypes), tuple(volumes), tuple(rows),
-                          tuple(sorted(tables.items(), key=lambda item: item[0].key)), tuple(algos))
+    out: dict = {}
+    for configs in per_gpu or [{}]:
+        out.update(dict.fromkeys(_conv_launches(
+            hip, shared_memory, pairs, tuple(dtypes), tuple(volumes), tuple(rows),
+            tuple(sorted(configs.items(), key=lambda item: item[0].key)), tuple(algos))))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=32)
@@ -157,22 +162,31 @@ def default_channel_pairs() -> tuple[tuple[int, int], ...]:
     return tuple(itertools.product(AOT_WIDTHS, repeat=2)) + EXTRA_CHANNEL_PAIRS
 
 
-def target_tables(arch: str | None) -> dict:
-    """{Bucket: KernelConfig} of the shipped tables dispatch can use on a GPU of arch ("sm_90")
-    with this Triton: a table tuned under another Triton version is not used
+def target_table_list(arch: str | None) -> list[dict]:
+    """[{Bucket: KernelConfig} per GPU] of the shipped tables dispatch can use on a GPU of arch
+    ("sm_90") with this Triton: a table tuned under another Triton version is not used
     (dispatch.load_configs), so its configs are not built either. None: no table."""
     from .device import triton_version
 
-    configs = {}
     if arch is None:
-        return configs
+        return []
+    out = []
     for path in shipped_table_paths():
         try:
             table = read_table(path)
         except TableError:  # dispatch skips it too (with a warning)
             continue
         if table.device.arch == arch and table.device.triton == triton_version():
-            configs.update({bucket: entry.config for bucket, entry in table.entries.items()})
+            out.append({bucket: entry.config for bucket, entry in table.entries.items()})
+    return out
+
+
+def target_tables(arch: str | None) -> dict:
+    """The buckets of target_table_list(arch) in one mapping (a later GPU's config where two
+    GPUs' tables share a bucket): what some GPU of the arch runs, for counting coverage."""
+    configs = {}
+    for table in target_table_list(arch):
+        configs.update(table)
     return configs
 
 

@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,10 @@ class Job:
     # CUDA activity only (kernels and CUDA API calls, no Python ops: little host cost), written
     # as a Chrome trace PREFIX-rank<r>.json (scripts/trace_summary.py reads them)
     trace: str = ""
+    # environment variables each rank sets (None: unsets) before it imports flexplan; this
+    # process's own stay as they are (e.g. TRITON_INTERPRET off in the ranks only: a kernel
+    # module imported while it is off here would stay compiled-mode for this process)
+    env: dict = field(default_factory=dict)
 
 
 def namespace(library: str):
@@ -125,6 +129,11 @@ def train_step(model, loss_fn, opt, batch, sp, batch_size: int) -> tuple[float, 
 
 def _rank_main(rank: int, world_size: int, job: Job, init_file: str, out_dir: str) -> None:
     os.environ["FLEXPLAN_CACHE_DIR"] = job.cache_dir
+    for name, value in job.env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     if job.pin_cpus:
         cpus = sorted(os.sched_getaffinity(0))
         share = max(1, len(cpus) // world_size)

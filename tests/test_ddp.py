@@ -30,7 +30,7 @@ def _assert_grads_close(got: dict, want: dict, rtol: float, atol: float):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU tensors run the kernels only through the interpreter")
-def test_gloo_ranks_sharing_a_cache_average_single_process_gradients(tmp_path, monkeypatch):
+def test_gloo_ranks_sharing_a_cache_average_single_process_gradients(tmp_path):
     """2 CPU ranks (plain BatchNorm: per-rank statistics), fresh coordinates per rank, one cache
     directory: DDP's gradient is the mean of the two single-process gradients. One scan per
     rank. The ranks run without the interpreter (their CPU tensors take the ops' torch path,
@@ -40,8 +40,8 @@ def test_gloo_ranks_sharing_a_cache_average_single_process_gradients(tmp_path, m
     convs, BatchNorm): what DDP averages is the same for any network (both networks' forward
     and backward are tested in test_bench_e2e.py)."""
     job = ddp_train.Job(network="unet", small=True, device="cpu", dtype="fp32",
-                        scans_per_rank=1, record_grads=True, cache_dir=str(tmp_path / "cache"))
-    monkeypatch.delenv("TRITON_INTERPRET")  # for the spawned ranks (read at their imports)
+                        scans_per_rank=1, record_grads=True, cache_dir=str(tmp_path / "cache"),
+                        env={"TRITON_INTERPRET": None})  # (the spawned ranks' alone)
     # The references are computed here while the ranks (spawned processes) run.
     with ThreadPoolExecutor(1) as pool:
         ranks = pool.submit(ddp_train.run, 2, job)

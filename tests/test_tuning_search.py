@@ -143,3 +143,52 @@ def test_tiny_real_tuning_run_through_the_interpreter(tmp_path):
                        tmp_path / "t.json")
     assert {b: e.config for b, e in read_table(path).entries.items()} == {
         Bucket.of(t.problem): t.result.best for t in tuned}
+
+
+def test_a_float32_case_tries_and_keeps_only_configs_it_launches_as_they_are():
+    """float32's grad-weight runs 3xTF32 with shallower tiles than tf32's bucket selects
+    (precision_config): tuning it in that bucket tries, times and stores only configs a float32
+    run launches unchanged, so the stored config is the one timed, and a tf32 call given it
+    runs a config that was measured, not a deeper untimed one."""
+    from flexplan.kernel_configs import precision_config
+
+    problem = Problem(900000, 64, 128, 27, "tf32", "masked_splitk", "wgrad")
+    seen = []
+
+    def run():
+        seen.append(dispatch.select_config(problem.family, problem))
+        return torch.arange(6.0)
+
+    def cost(cfg):  # deeper tiles look faster: a search without the rule would pick them
+        return 1.0 / (cfg.block_k * cfg.num_stages) + cfg.block_m * 1e-6
+
+    def bench(fn):
+        fn()
+        return cost(seen[-1])
+
+    case = Case(problem, run, "float32")
+    [tuned] = tuner.tune_cases([case], bench=bench, max_trials=1000, log=lambda m: None)
+    launch = lambda cfg: precision_config(cfg, WGRAD, "float32", False)  # noqa: E731
+    assert seen and all(launch(cfg) == cfg for cfg in seen)
+    assert launch(tuned.result.best) == tuned.result.best
+    assert all(launch(cfg) == cfg for cfg in tuned.result.timings)
+    # a tf32 case (its own dtype) is searched over tf32's whole set, deeper tiles included
+    seen.clear()
+    [deep] = tuner.tune_cases([Case(problem, run)], bench=bench, max_trials=1000,
+                              log=lambda m: None)
+    assert launch(deep.result.best) != deep.result.best
+
+
+def test_outputs_are_compared_at_the_run_dtypes_tolerance():
+    """A float32 case in a tf32 bucket computes 3xTF32 (fp32-grade): two configs whose outputs
+    differ by 1e-3 agree for a tf32 run, not for a float32 one."""
+    problem = Problem(3000, 64, 64, 27, "tf32", "masked", "fwd")
+    a, b = (KernelConfig(64, 64, 32, 1, 4, 2), KernelConfig(128, 64, 32, 1, 4, 2))
+
+    def run():
+        out = torch.ones(8)
+        return out * 1.001 if dispatch.select_config(problem.family, problem) == b else out
+
+    assert tuner.outputs_agree(Case(problem, run), a, b)
+    assert tuner.outputs_agree(Case(problem, run, "tf32"), a, b)
+    assert not tuner.outputs_agree(Case(problem, run, "float32"), a, b)

@@ -15,7 +15,7 @@ import torch
 from ..geometry import ConvGeometry
 from ..kernel_configs import Problem, config_dtype, runtime_is_hip
 # The ops' per-part launchers: the code a real call runs, config chosen by select_config.
-from ..ops.conv import dgrad_map, gather_gemm, resolve_algo, wgrad
+from ..ops.conv import _dtype_name, dgrad_map, gather_gemm, resolve_algo, wgrad
 from ..planner import build_plan
 from ..workloads import sphere_shell
 
@@ -69,10 +69,12 @@ def part_case(work: Workload, part: str, algo: str = "auto") -> "Case":
         n = plan.num_pairs
     else:
         raise ValueError(f"unknown part {part!r}")
-    algo = resolve_algo(algo, part, n, ci, co, v, work.dtype)
-    # The problem as dispatch asks for it: in its config dtype (float32 on NVIDIA is tuned in
-    # tf32's buckets, whose one config serves both; its run stays float32's 3xTF32 kernels).
-    problem = Problem(n, ci, co, v, config_dtype(work.dtype, runtime_is_hip()), algo, part)
+    # The problem as dispatch asks for it (ops.conv.shape_config): the call's dtype name (tf32
+    # where the GPU has TF32 dots, else float32), in its config dtype (float32 on NVIDIA is
+    # tuned in tf32's buckets, whose one config serves both); the run stays the call's kernels.
+    run_dtype = _dtype_name(work.feats.dtype, allow_tf32, work.feats.device)
+    algo = resolve_algo(algo, part, n, ci, co, v, run_dtype)
+    problem = Problem(n, ci, co, v, config_dtype(run_dtype, runtime_is_hip()), algo, part)
     if part == "fwd":
         def run():
             return gather_gemm(work.feats, w, None, plan.fwd, False, "fwd", algo, allow_tf32)
@@ -84,13 +86,16 @@ def part_case(work: Workload, part: str, algo: str = "auto") -> "Case":
     else:
         def run():
             return wgrad(work.grad_out, work.feats, plan, w.shape, algo, allow_tf32)
-    return Case(problem, run)
+    return Case(problem, run, run_dtype)
 
 
 @dataclass
 class Case:
-    problem: Problem
+    problem: Problem  # as dispatch asks for it: in the config dtype
     run: Callable[[], torch.Tensor]
+    # the dtype the run computes in (ops.conv._dtype_name: "float32" runs 3xTF32 on NVIDIA
+    # though its problem says "tf32"); None: the problem's
+    run_dtype: str | None = None
 
 
 def case_for(problem: Problem, device) -> "Case | None":

@@ -74,8 +74,9 @@ def main(argv=None) -> int:
     from ..kernel_configs import config_dtype, runtime_is_hip
 
     if len({config_dtype(d, runtime_is_hip()) for d in args.dtypes}) < len(args.dtypes):
-        print(f"flexplan tune: --dtypes {','.join(args.dtypes)} names two dtypes of one config "
-              "dtype (float32 and tf32 on NVIDIA share tf32's buckets): name one")
+        print(f"flexplan tune: --dtypes {','.join(args.dtypes)} names one bucket's dtype twice "
+              "(a dtype twice, or float32 and tf32, which share tf32's buckets on NVIDIA): "
+              "name each once")
         return 2
     tuned = tune_grid(args, torch.device("cuda"))
     from .table import TuningTable, merge_into, user_table_path

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from ..kernel_configs import KernelConfig, Problem, candidate_configs, heuristic_config
+from ..kernel_configs import (KernelConfig, Problem, candidate_configs, heuristic_config,
+                             precision_config, runtime_is_hip)
 
 # Cheapest first: the split count is a grid size (no new compilation); the tile shape, the
 # largest group, last.
@@ -31,10 +32,18 @@ class SearchResult:
 
 
 def search(problem: Problem, measure: Callable[[KernelConfig], float], *,
-           max_trials: int = 32, rounds: int = 2, start: KernelConfig | None = None) -> SearchResult:
-    """Fastest config found for `problem`; measure(config) -> ms (inf or an exception: unusable)."""
+           max_trials: int = 32, rounds: int = 2, start: KernelConfig | None = None,
+           launched: Callable[[KernelConfig], KernelConfig] | None = None) -> SearchResult:
+    """Fastest config found for `problem`; measure(config) -> ms (inf or an exception: unusable).
+    launched: the config a run of this problem's dtype launches for a selected one
+    (kernel_configs.precision_config): the search then tries, and returns, only configs that
+    launch as they are (look-alikes would spend trials on one kernel, and a stored config
+    would not be the one timed)."""
     candidates = set(candidate_configs(problem))
     heuristic = start or heuristic_config(problem.family, problem)
+    if launched is not None:
+        candidates = {launched(c) for c in candidates}
+        heuristic = launched(heuristic)
     timings: dict[KernelConfig, float] = {}
 
     def timed(cfg: KernelConfig) -> float:
@@ -76,6 +85,16 @@ def do_bench_median(fn, warmup_ms: float = 5, rep_ms: float = 25) -> float:
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def launched_config(case) -> Callable[[KernelConfig], KernelConfig] | None:
+    """For a case whose run dtype launches other configs than its problem's dtype selects
+    (float32's 3xTF32 grad-weight, in tf32's buckets): selected config -> launched config."""
+    run_dtype = getattr(case, "run_dtype", None)
+    if not run_dtype or run_dtype == case.problem.dtype:
+        return None
+    family, hip = case.problem.family, runtime_is_hip()
+    return lambda cfg: precision_config(cfg, family, run_dtype, hip)
+
+
 def measure_case(case, bench=do_bench_median) -> Callable[[KernelConfig], float]:
     """measure(config) for a Case: runs its op part with `config` forced."""
     from .dispatch import forced_config
@@ -98,7 +117,8 @@ def outputs_agree(case, a: KernelConfig, b: KernelConfig) -> bool:
         x = case.run().double()
     with forced_config(b):
         y = case.run().double()
-    rtol = 1e-2 if case.problem.dtype in ("float16", "bfloat16", "tf32") else 1e-4
+    dtype = getattr(case, "run_dtype", None) or case.problem.dtype  # (3xTF32: float32's)
+    rtol = 1e-2 if dtype in ("float16", "bfloat16", "tf32") else 1e-4
     scale = x.abs().max().item() + 1e-6
     return bool(torch.isfinite(y).all()) and (x - y).abs().max().item() <= rtol * scale
 
@@ -127,7 +147,8 @@ def tune_cases(cases, *, bench=do_bench_median, max_trials: int = 32, deadline: 
             log(f"time budget spent: {len(cases) - i} of {len(cases)} problems left untuned")
             break
         t0 = time.monotonic()
-        result = search(case.problem, measure_case(case, bench), max_trials=max_trials)
+        result = search(case.problem, measure_case(case, bench), max_trials=max_trials,
+                        launched=launched_config(case))
         if result.best != result.heuristic and not outputs_agree(case, result.heuristic, result.best):
             log(f"{case.problem}: {result.best} disagrees with the heuristic's output; not used")
             result = replace(result, best=result.heuristic, best_ms=result.heuristic_ms)

@@ -47,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
                         "comma separated")
     p.add_argument("--dtypes", type=_names, default=DEFAULT_DTYPES,
                    help="e.g. float16,tf32; float32 tunes tf32's buckets (on NVIDIA) by the "
-                        "3xTF32 kernels float32 models run")
+                        "3xTF32 kernels float32 models run (run-time tuning, FLEXPLAN_TUNE, "
+                        "times those buckets with tf32's own kernels)")
     p.add_argument("--parts", type=_names, default=PARTS, help="fwd,dgrad,wgrad")
     p.add_argument("--algo", default="auto", help="algorithm to tune (auto: what 'auto' runs)")
     p.add_argument("--max-trials", type=int, default=32, help="configs measured per problem")

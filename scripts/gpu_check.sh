@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one go, on the GPU machine (system python with torch + Triton,
 # no network). Carry .whl (platformdirs) and .peers (spconv, from ../shared/tools/peers-for-gpu.sh).
-# Usage: bash scripts/gpu_check.sh [tests] [cuda] [planner] [submconv] [cache] [aot] [table] [tuning] [unet]
+# Usage: bash scripts/gpu_check.sh [tests] [tests-split] [cuda] [planner] [submconv] [cache] [aot] [table] [tuning] [unet]
 #        [e2e] [layers] [ddp] [precision] [host]
 #        (no argument: everything). Results land in scripts/results/ and, if set, in $OUT.
 # The results name the code's commit: on a copied tree whose .git is another commit's, set
@@ -23,6 +23,22 @@ for step in "${steps[@]}"; do
   echo "=== $step"
   case $step in
     tests)    python3 -m pytest -q -m gpu tests ;;
+    # the same, one test file at a time under its own time limit (GPU_TEST_TIMEOUT seconds,
+    # default 150), a summary line per file, the log in $OUT/gpu-tests.log as it goes: a
+    # device call's limit then cuts one file, not the whole run's output
+    tests-split)
+      log=${OUT:-/tmp}/gpu-tests.log; one=$(mktemp); : > "$log"; split_status=0
+      for file in $(grep -l "mark.gpu" tests/test_*.py); do
+        timeout "${GPU_TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          "$file" > "$one" 2>&1; rc=$?
+        cat "$one" >> "$log"
+        last=$(grep -E '(passed|failed|error|skipped|deselected)' "$one" | tail -1)
+        echo "$file: rc $rc${last:+, $last}$([ $rc -eq 124 ] && echo ', timed out')" \
+          | tee -a "$log"
+        [ $rc -eq 0 ] || [ $rc -eq 5 ] || split_status=1  # (5: no test selected)
+      done
+      rm -f "$one"
+      [ $split_status -eq 0 ] ;;
     # CPU-suite tests whose device fixture takes the GPU here: the ops, pools, tensors and
     # BatchNorm folding on CUDA tensors (the suite runs them on the CPU)
     cuda)     python3 -m pytest -q tests/test_conv.py tests/test_autocast.py \

@@ -11,7 +11,6 @@ run(world_size, job) spawns the ranks and returns what each rank's job wrote (a 
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import tempfile

@@ -30,9 +30,9 @@ of issue #26 a kernel launch cost the host ~10 us, a small all_reduce ~45 us, an
 statistics as ~25 torch ops cost more host time than torch's SyncBatchNorm with its sync). So a
 CUDA training forward is torch's own batch_norm_stats, one Triton kernel packing the sums, the
 all_reduce, one Triton kernel turning the sums into mean / invstd and updating the running
-statistics and num_batches_tracked (kernels_src/batchnorm_stats.py), and torch's batch_norm_elemt; a backward is torch's
-batch_norm_backward_reduce, a cat, the all_reduce and batch_norm_backward_elemt (the kernels
-torch's SyncBatchNorm uses). That is the default on NVIDIA GPUs (module attribute use_kernels;
+statistics and num_batches_tracked (kernels_src/batchnorm_stats.py), and torch's
+batch_norm_elemt; a backward is torch's batch_norm_backward_reduce, a cat, the all_reduce and
+batch_norm_backward_elemt (the kernels torch's SyncBatchNorm uses). That is the default on NVIDIA GPUs (module attribute use_kernels;
 FLEXPLAN_SYNC_BN_KERNELS=0 turns it off, =1 on, also on ROCm, where it has not run); CPU
 tensors, and ROCm by default, use plain torch ops with the same formulas: more launches, no
 Triton. Step times: scripts/results/bench_ddp.md.
@@ -205,6 +205,8 @@ def all_reduce_sum(tensor: torch.Tensor, group) -> None:
 
 # False (or FLEXPLAN_SYNC_BN_DIRECT=0): every collective through dist.all_reduce (A/B runs).
 direct_all_reduce = os.environ.get("FLEXPLAN_SYNC_BN_DIRECT", "1").strip() != "0"
+
+
 @functools.cache
 def _sum_options():
     """One AllreduceOptions for every call (the process group copies what it reads): a sum,

@@ -32,7 +32,7 @@ def _shells(text: str):
         shells = ()
     if not shells or any(len(s) not in (2, 3) or min(s) < 1 for s in shells):
         raise argparse.ArgumentTypeError(f"expected R:C or R:Ci:Co[,...], got {text!r}")
-    return tuple(s if len(s) == 3 else (s[0], s[1], s[1]) for s in shells)
+    return _shells_of(shells)
 
 
 def _names(text: str):

@@ -88,7 +88,7 @@ def do_bench_median(fn, warmup_ms: float = 5, rep_ms: float = 25) -> float:
 def launched_config(case) -> Callable[[KernelConfig], KernelConfig] | None:
     """For a case whose run dtype launches other configs than its problem's dtype selects
     (float32's 3xTF32 grad-weight, in tf32's buckets): selected config -> launched config."""
-    run_dtype = getattr(case, "run_dtype", None)
+    run_dtype = case.run_dtype
     if not run_dtype or run_dtype == case.problem.dtype:
         return None
     family, hip = case.problem.family, runtime_is_hip()
@@ -117,7 +117,7 @@ def outputs_agree(case, a: KernelConfig, b: KernelConfig) -> bool:
         x = case.run().double()
     with forced_config(b):
         y = case.run().double()
-    dtype = getattr(case, "run_dtype", None) or case.problem.dtype  # (3xTF32: float32's)
+    dtype = case.run_dtype or case.problem.dtype  # (3xTF32: float32's)
     rtol = 1e-2 if dtype in ("float16", "bfloat16", "tf32") else 1e-4
     scale = x.abs().max().item() + 1e-6
     return bool(torch.isfinite(y).all()) and (x - y).abs().max().item() <= rtol * scale

@@ -13,6 +13,9 @@ Constexpr switches (each a small, enumerable set, so the AOT build can list them
   MASKED:    each block of rows only visits the offsets its rows have (valid_kernel /
              valid_kernel_seg for BLOCK_M); else all V.
   REVERSE_V: map column v pairs with weight offset V - 1 - v (submanifold grad-input).
+  WEIGHT_KVN: the weight is read as [K, V, N] (grad-input reads the forward's [Co, V, Ci] as
+             it is stored) instead of [N, V, K] (the forward's): no transposed copy of the
+             weight per backward, a copy kernel and its host ops fewer in every training step.
   SPLIT:     grid axis 1 (of size S) splits the reduction; each split stores its fp32 partial
              sum in partials[split] of an [S, M, N] workspace, and the last split of a tile to
              finish sums the S partials in order 0..S-1 and writes the tile (conv_common.py,
@@ -80,7 +83,7 @@ def conv_gather_gemm_kernel(
     M, K, N, V,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     MASKED: tl.constexpr, REVERSE_V: tl.constexpr, PRECISION: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, WEIGHT_KVN: tl.constexpr,
 ):
     pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -139,8 +142,12 @@ def conv_gather_gemm_kernel(
         k_mask = offs_k < K
         a = tl.load(src_ptr + nbr.to(tl.int64)[:, None] * K + offs_k[None, :],
                     mask=(nbr >= 0)[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(weight_ptr + (offs_n[None, :] * V + w_off) * K + offs_k[:, None],
-                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if WEIGHT_KVN:
+            b = tl.load(weight_ptr + (offs_k[:, None] * V + w_off) * N + offs_n[None, :],
+                        mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        else:
+            b = tl.load(weight_ptr + (offs_n[None, :] * V + w_off) * K + offs_k[:, None],
+                        mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = dot_acc(a, b, acc, PRECISION)
 
     out_mask = m_mask[:, None] & n_mask[None, :]

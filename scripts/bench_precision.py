@@ -81,6 +81,9 @@ VARIANTS = {"flexplan-fused": {"fuse": True},
             # session 43's native launcher (flexplan/launch_native.py)
             "flexplan-python-launch": {"settings": (
                 ("flexplan.launcher", "NATIVE_LAUNCHES", False),)},
+            # grad-input over a transposed copy of the weight, as before session 46
+            "flexplan-dgrad-weight-copy": {"settings": (
+                ("flexplan.ops.conv", "DGRAD_WEIGHT_COPY", True),)},
             "flexplan-no-graph-ops": {"settings": (
                 ("flexplan.plan", "_register_token", lambda plan: None),
                 ("flexplan.nn.spconv_layers", "sparse_conv",
@@ -108,6 +111,7 @@ _VARIANT_LABELS = {
     "flexplan-session42-host": "flexplan session 42's host path / flexplan fp16",
     "flexplan-python-launch": "flexplan Python launch path / flexplan fp16",
     "flexplan-no-graph-ops": "flexplan without graph-op costs / flexplan fp16",
+    "flexplan-dgrad-weight-copy": "flexplan dgrad over a weight copy / flexplan fp16",
 }
 VARIANT_RATIOS = {name: (label, (name, "fp16"), ("flexplan", "fp16"))
                   for name, label in _VARIANT_LABELS.items()}

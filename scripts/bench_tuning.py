@@ -35,7 +35,7 @@ from flexplan.kernels_src.conv_gather_gemm import conv_gather_gemm_kernel  # noq
 from flexplan.kernels_src.conv_wgrad import conv_wgrad_kernel  # noqa: E402
 from flexplan.launch_spec import UNREAD_ADDRESS  # noqa: E402
 from flexplan.ops.conv import (NO_EPILOGUE, dgrad_map, gather_gemm_constexprs,  # noqa: E402
-                               split_tile_counts, wgrad_constexprs)
+                               reads_weight_kvn, split_tile_counts, wgrad_constexprs)
 from flexplan.tuning import dispatch  # noqa: E402
 from flexplan.tuning.buckets import Bucket  # noqa: E402
 from flexplan.tuning.cases import part_case, shell_workload, torch_dtype  # noqa: E402
@@ -68,13 +68,15 @@ def gather_gemm_splits(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_
                        bn_eps, epilogue, M, K, N, V,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT: tl.constexpr, MASKED: tl.constexpr, REVERSE_V: tl.constexpr,
-                       PRECISION: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr):
+                       PRECISION: tl.constexpr, CHUNK: tl.constexpr, WEIGHT_KVN: tl.constexpr,
+                       SPLITS: tl.constexpr):
     conv_gather_gemm_kernel(src_ptr, weight_ptr, bias_ptr, map_ptr, order_ptr, chunk_order_ptr,
                             valid_kernel_ptr, valid_kernel_seg_ptr, out_ptr, partials_ptr,
                             tile_counts_ptr, bn_mean_addr, bn_var_addr, bn_weight_addr,
                             bn_bias_addr, bn_eps, epilogue, M, K, N, V,
                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=SPLIT,
-                            MASKED=MASKED, REVERSE_V=REVERSE_V, PRECISION=PRECISION, CHUNK=CHUNK)
+                            MASKED=MASKED, REVERSE_V=REVERSE_V, PRECISION=PRECISION, CHUNK=CHUNK,
+                            WEIGHT_KVN=WEIGHT_KVN)
 
 
 @triton.jit
@@ -120,7 +122,8 @@ def wrapper_launch(work, part, max_splits):
         return wgrad_splits, grid, args, consts, None, out
     gmap, reverse = (plan.fwd, False) if part == "fwd" else dgrad_map(plan)
     src = work.feats if part == "fwd" else work.grad_out
-    w_nvk = w if part == "fwd" else w.transpose(0, 2).contiguous()
+    kvn = reads_weight_kvn(part, work.dtype)  # (as ops.conv.gather_gemm reads the weight)
+    w_read = w if part == "fwd" or kvn else w.transpose(0, 2).contiguous()
     m, k, n = gmap.num_rows, (ci if part == "fwd" else co), (co if part == "fwd" else ci)
     masked = algo.startswith("masked")
     dest = torch.empty((max_splits, m, n), dtype=torch.float32, device=w.device)
@@ -139,12 +142,12 @@ def wrapper_launch(work, part, max_splits):
             vk[:gmap.valid_kernel[bm].numel()].copy_(gmap.valid_kernel[bm])
             seg[:gmap.valid_kernel_seg[bm].numel()].copy_(gmap.valid_kernel_seg[bm])
     # (no epilogue: bias and BatchNorm not read)
-    args = (src, w_nvk, w_nvk, sorted_map_t(gmap), gmap.sorted_idx, chunk_order(gmap), vk, seg,
+    args = (src, w_read, w_read, sorted_map_t(gmap), gmap.sorted_idx, chunk_order(gmap), vk, seg,
             out, dest, counts, *[UNREAD_ADDRESS] * 4, 0.0, NO_EPILOGUE, m, k, n, v)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])
-    consts = fixed_constexprs(gather_gemm_constexprs(cfg, masked, reverse, work.dtype, hip), cfg)
+    consts = fixed_constexprs(gather_gemm_constexprs(cfg, masked, reverse, work.dtype, hip, kvn), cfg)
     return gather_gemm_splits, grid, args, consts, hook, out
 
 

@@ -47,7 +47,8 @@ def _dense_rows(part: str, v: int) -> list[int]:
 def _dispatched(widths) -> set:
     """What the ops launch for every covered dtype, part, width pair, volume and dense row count,
     through their own functions (select_config reads the tables of the device faked or not)."""
-    from flexplan.ops.conv import gather_gemm_constexprs, resolve_algo, wgrad_constexprs
+    from flexplan.ops.conv import (gather_gemm_constexprs, reads_weight_kvn, resolve_algo,
+                                   wgrad_constexprs)
 
     out = set()
     for dtype, part, (ci, co), v in itertools.product(coverage.AOT_DTYPES, PARTS,
@@ -71,7 +72,8 @@ def _dispatched(widths) -> set:
                         + (False,) * (v in coverage.STRIDED_VOLUMES)) if part == "dgrad" else (False,)
             # (the epilogue, none, bias or BatchNormReLU, is a run-time argument: no constexpr)
             for reverse in reverses:
-                constexprs = gather_gemm_constexprs(cfg, masked, reverse, dtype, False)
+                constexprs = gather_gemm_constexprs(cfg, masked, reverse, dtype, False,
+                                                    reads_weight_kvn(part, dtype))
                 out.add((GATHER_GEMM, dtype, _int_class(k), _int_class(nn), _int_class(v),
                          tuple(sorted(constexprs.items()))))
     return out

@@ -502,3 +502,45 @@ def test_a_shapes_config_is_kept_across_plans(device, monkeypatch):
     dispatch.reset()
     train_call(53)
     assert len(asked) == 3 * shapes  # a new epoch: asked again
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("geometry", ["submanifold", "strided"])
+def test_dgrad_reads_weight_as_stored(geometry, dtype, device, monkeypatch):
+    """16-bit grad-input reads the weight [Co, V, Ci] as it is stored (WEIGHT_KVN): the same
+    bits as over its transposed copy (ops.conv.DGRAD_WEIGHT_COPY, the former path: the
+    kernel's loop and sums are the same, only the weight's addresses differ), Ci and Co unequal
+    and not multiples of 16; reversed offsets (submanifold) and a strided plan's bwd map.
+    float32 keeps the copy on GPUs (its tf32 tiles); here both of its paths run too."""
+    import importlib
+
+    ops_module = importlib.import_module("flexplan.ops.conv")
+    name = str(dtype).removeprefix("torch.")
+    if dtype == torch.float32 and device.type == "cpu":  # (the interpreter reads either)
+        monkeypatch.setattr(ops_module, "WEIGHT_KVN_DTYPES", frozenset({name}))
+    ci, co = 5, 19
+    if geometry == "submanifold":
+        coords, plan = submanifold_case(70, seed=21)
+    else:
+        coords = random_coords(70, (8, 8, 8), 1, generator=torch.Generator().manual_seed(22))
+        plan = build_plan(coords, (8, 8, 8), 1,
+                          ConvGeometry.make(3, stride=2, padding=1, submanifold=False))
+    plan = plan.to(device)
+    gen = torch.Generator().manual_seed(23)
+    weight = torch.randn(co, 27, ci, generator=gen).to(dtype).to(device)
+    grad_out = torch.randn(plan.num_out, co, generator=gen).to(dtype).to(device)
+    grads = []
+    for copy in (False, True):
+        monkeypatch.setattr(ops_module, "DGRAD_WEIGHT_COPY", copy)
+        assert ops_module.reads_weight_kvn("dgrad", name) is (
+            not copy and name in ops_module.WEIGHT_KVN_DTYPES)
+        grads.append(ops_module.conv_dgrad(grad_out, weight, plan, "masked", False))
+    assert grads[0].shape == (plan.num_in, ci)
+    assert grads[0].float().abs().max() > 0
+    assert torch.equal(grads[0], grads[1])
+    # (and right: the forward's float64 gradient)
+    feats = torch.zeros(plan.num_in, ci, dtype=torch.float64, requires_grad=True)
+    out = gather_conv(feats, plan.fwd.neighbor_map.cpu(), weight.double().cpu(), None)
+    ref, = torch.autograd.grad(out, feats, grad_out.double().cpu())
+    torch.testing.assert_close(grads[0].double().cpu(), ref, rtol=1e-2 if name == "float16"
+                               else 1e-5, atol=1e-2 if name == "float16" else 1e-5)

@@ -218,7 +218,7 @@ def gather_gemm_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
     whose one binary serves every epilogue (none, bias, BatchNormReLU in either dtype: run-time
     arguments). The output is in the features' dtype, split-K or not (the kernel sums its
     accumulator-dtype partials)."""
-    from ..ops.conv import launch_gather_gemm
+    from ..ops.conv import launch_gather_gemm, reads_weight_kvn
 
     problem, cfg = launch.problem, launch.config
     feature = _torch_dtype(launch.dtype)
@@ -229,7 +229,8 @@ def gather_gemm_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:
     for reverse in reverses or (False,):
         yield record(launch_gather_gemm, dtypes, k=k, n=n, v=problem.v, cfg=cfg,
                      masked=problem.algo.startswith("masked"), reverse=reverse, bn_eps=0.0,
-                     dtype=launch.dtype, hip=hip)
+                     dtype=launch.dtype, hip=hip,
+                     weight_kvn=reads_weight_kvn(problem.part, launch.dtype))
 
 
 def wgrad_variants(launch: ConvLaunch, hip: bool) -> Iterator[Variant]:

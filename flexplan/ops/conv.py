@@ -101,10 +101,30 @@ def _block_for(gmap: GatherMap, block_m: int) -> int:
 # a process sees a few hundred combinations at most). The dicts are shared: read, never modify.
 @functools.lru_cache(maxsize=1024)
 def gather_gemm_constexprs(cfg: KernelConfig, masked: bool, reverse: bool, dtype: str,
-                           hip: bool) -> dict:
-    """dtype: the Problem's (DTYPES); hip: compiled for a ROCm backend."""
+                           hip: bool, weight_kvn: bool) -> dict:
+    """dtype: the Problem's (DTYPES); hip: compiled for a ROCm backend; weight_kvn: the weight
+    read as [K, V, N] (reads_weight_kvn; an argument, not looked up here: memoized)."""
     return dict(cfg.launch_kwargs(), MASKED=masked, REVERSE_V=reverse,
-                PRECISION=dot_precision(dtype, hip), CHUNK=SCHEDULE_CHUNK)
+                PRECISION=dot_precision(dtype, hip), CHUNK=SCHEDULE_CHUNK, WEIGHT_KVN=weight_kvn)
+
+
+# True: grad-input reads a transposed copy of the weight ([Ci, V, Co], one copy kernel and its
+# host ops per conv backward), as before session 46 (A/B runs, scripts/bench_precision.py).
+DGRAD_WEIGHT_COPY = False
+
+
+# The dtypes whose grad-input reads the weight as stored: 16-bit tiles, which Hopper's wgmma
+# takes N-major from shared memory as readily as K-major. Its tf32 (and 3xTF32) tiles must be
+# K-major: float32 keeps the copy, whose host ops matter least there (a float32 step's backward
+# waits for the GPU, not the host: scripts/results/host_costs.md, session 45).
+WEIGHT_KVN_DTYPES = frozenset({"float16", "bfloat16"})
+
+
+def reads_weight_kvn(part: str, dtype: str) -> bool:
+    """Whether the gather-GEMM of `part` in `dtype` (a Problem dtype name) reads the conv's
+    weight [Co, V, Ci] as it is stored with K = Co and N = Ci ([K, V, N]: 16-bit grad-input),
+    rather than as [N, V, K] (the forward, or grad-input over the weight's transposed copy)."""
+    return part == "dgrad" and dtype in WEIGHT_KVN_DTYPES and not DGRAD_WEIGHT_COPY
 
 
 # The gather-GEMM's epilogue argument (kernels_src/conv_gather_gemm.py): none, + bias, or an
@@ -124,17 +144,19 @@ def launch_gather_gemm(run, src: FEATURE, weight: FEATURE, bias: FEATURE, sorted
                        tile_counts: INT32, bn_mean: ADDRESS, bn_var: ADDRESS,
                        bn_weight: ADDRESS, bn_bias: ADDRESS, bn_eps: float, epilogue: SIZE,
                        m: SIZE, k: int, n: int, v: int, cfg: KernelConfig, masked: bool,
-                       reverse: bool, dtype: str, hip: bool) -> None:
+                       reverse: bool, dtype: str, hip: bool, weight_kvn: bool) -> None:
     """out[m, n] = sum_v src[map[m, v]] @ W_v, then the epilogue (NO_EPILOGUE, BIAS_EPILOGUE:
     + bias, BN_RELU_EPILOGUE / BN_RELU_F32_EPILOGUE: a BatchNormReLU, bn_* the addresses of
-    its tensors), over a map's m rows; weight read as [n, v, k]; partials ([S, m, n]) and
+    its tensors), over a map's m rows; weight read as [n, v, k], or with weight_kvn as [k, v, n]
+    (grad-input reading the conv's [Co, V, Ci] as stored: reads_weight_kvn); partials ([S, m, n]) and
     tile_counts (one zeroed counter per output tile, split_tile_counts) read only under
     split-K; what the epilogue does not read: dummies (UNREAD_ADDRESS for an address)."""
     split = cfg.splitk > 1
     run(conv_gather_gemm_kernel, (output_tiles(m, n, cfg), cfg.splitk),
         src, weight, bias, sorted_map_t, sorted_idx, chunk_order, valid_kernel, valid_kernel_seg,
         out, partials if split else out, tile_counts, bn_mean, bn_var, bn_weight, bn_bias, bn_eps,
-        epilogue, m, k, n, v, **gather_gemm_constexprs(cfg, masked, reverse, dtype, hip))
+        epilogue, m, k, n, v, **gather_gemm_constexprs(cfg, masked, reverse, dtype, hip,
+                                                        weight_kvn))
 
 
 def launch_wgrad(run, grad_out: FEATURE, src: FEATURE, pair_out: INT32, pair_in: INT32,
@@ -236,9 +258,11 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     cfg, masked, map_t, chunks, valid_kernel, valid_kernel_seg, dtype, hip = _kept_launch(
         gmap, (part, algo, k, n, v, src.dtype, allow_tf32), src.device,
         lambda: _gather_gemm_launch(src, gmap, part, algo, m, ci, co, v, allow_tf32))
-    # The kernel reads the weight as [N, V, K]: [Co, V, Ci] as is, or transposed for grad-input
-    # (a copy of V*Ci*Co elements, small next to the convolution; keeps tiles K-major).
-    w_nvk = weight if part == "fwd" else weight.transpose(0, 2).contiguous()
+    # The kernel reads the weight [Co, V, Ci] as [N, V, K] (the forward) or, for 16-bit grad-
+    # input, as stored ([K, V, N]: reads_weight_kvn); other grad-input a transposed copy.
+    weight_kvn = reads_weight_kvn(part, dtype)
+    if part != "fwd" and not weight_kvn:
+        weight = weight.transpose(0, 2).contiguous()
     if cfg.splitk > 1:  # the kernel's last split of each tile sums the partials
         partials = torch.empty((cfg.splitk, m, n), device=src.device,
                                dtype=torch_fallback.accumulator_dtype(src.dtype))
@@ -251,9 +275,10 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
         epilogue = BN_RELU_EPILOGUE if bn.mean.dtype == src.dtype else BN_RELU_F32_EPILOGUE
     else:
         norm, epilogue = _NO_NORM, (NO_EPILOGUE if bias is None else BIAS_EPILOGUE)
-    launch_gather_gemm(launch, src, w_nvk, bias if bias is not None else w_nvk, map_t,
+    launch_gather_gemm(launch, src, weight, bias if bias is not None else weight, map_t,
                        gmap.sorted_idx, chunks, valid_kernel, valid_kernel_seg, out, partials,
-                       tile_counts, *norm, epilogue, m, k, n, v, cfg, masked, reverse, dtype, hip)
+                       tile_counts, *norm, epilogue, m, k, n, v, cfg, masked, reverse, dtype, hip,
+                       weight_kvn)
     return out
 
 

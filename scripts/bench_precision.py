@@ -225,9 +225,10 @@ def run_cell(ctx, source, net_cls, state, phase: str, coords: str, args, errors:
         for run in order[shift:] + order[:shift]:
             step, batches = runs[run]
             times[run].extend(e2e.timed(step, [batches[i]], ctx.device))
-    compiles = e2e.compile_delta(before, e2e.kernel_snapshot(ctx.kernels))["compiles"]
-    if compiles:
-        errors.append(f"{phase} {coords}: {compiles} flexplan compilations in timed steps")
+    delta = e2e.compile_delta(before, e2e.kernel_snapshot(ctx.kernels))
+    if delta["compiles"]:
+        errors.append(f"{phase} {coords}: {delta['compiles']} flexplan compilations in timed "
+                      f"steps ({', '.join(delta['kernels'])})")
     return times
 
 

@@ -122,6 +122,30 @@ def test_lookup_by_bucket(fake_gpu):
     assert dispatch.select_config(GATHER_GEMM, other_bucket) == _heuristic(other_bucket)
 
 
+def test_a_missing_bucket_takes_the_tuned_config_of_its_neighbour_rows_bucket(fake_gpu):
+    """A layer whose rows cross a bucket boundary keeps the tuned config on both sides (the
+    heuristic there would be a second binary to compile mid-job); farther buckets and other
+    shapes keep the heuristic; the AOT build's rule (config_from) agrees; a config tuned later
+    for the neighbour itself takes over from the borrowed one."""
+    table.write_table(_table(), table.user_table_path(GPU))  # FWD: 3000 rows, bucket 4096
+    def fwd(rows, ci=64):
+        return Problem(rows, ci, 64, 27, "float16", "masked", "fwd")
+    far, other_shape = fwd(9000), fwd(5000, ci=32)
+    for problem in (fwd(5000), fwd(1500)):  # buckets 8192 and 2048
+        assert Bucket.of(problem) != Bucket.of(FWD)
+        assert dispatch.select_config(GATHER_GEMM, problem) == TUNED
+        assert dispatch.config_from({Bucket.of(FWD): TUNED}, GATHER_GEMM, problem) == TUNED
+    for problem in (far, other_shape):
+        assert dispatch.select_config(GATHER_GEMM, problem) == _heuristic(problem)
+        assert (dispatch.config_from({Bucket.of(FWD): TUNED}, GATHER_GEMM, problem)
+                == _heuristic(problem))
+    mine = KernelConfig(64, 64, 32, 1, 4, 2)
+    dispatch.add_configs(0, {Bucket.of(fwd(5000)): mine})
+    assert dispatch.select_config(GATHER_GEMM, fwd(5000)) == mine
+    assert dispatch.select_config(GATHER_GEMM, far) == mine  # (now 16384's neighbour)
+    assert dispatch.select_config(GATHER_GEMM, FWD) == TUNED
+
+
 def test_shipped_table_used_and_user_table_overrides_it(fake_gpu):
     table.write_table(_table(), fake_gpu / f"{GPU.slug}.json")
     assert dispatch.select_config(GATHER_GEMM, FWD) == TUNED

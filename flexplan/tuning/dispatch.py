@@ -1,5 +1,6 @@
-"""Pick the kernel config of one call: the tuned table's entry for its bucket, else the
-heuristic default at once (and, opted in with FLEXPLAN_TUNE, tune that bucket).
+"""Pick the kernel config of one call: the tuned table's entry for its bucket, else (opted in
+with FLEXPLAN_TUNE) tune that bucket, else the entry of its neighbour rows bucket
+(neighbour_config), else the heuristic default at once.
 
 FLEXPLAN_TUNE: "off" (default): never benchmark at run time.
                "background": tune missing buckets in a worker thread; calls use the heuristic
@@ -20,6 +21,7 @@ import os
 import threading
 import warnings
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Callable
 
 from ..kernel_configs import KernelConfig, Problem, heuristic_config
@@ -89,8 +91,26 @@ def config_from(configs: dict, family: str, problem: Problem,
     the problem's bucket's tuned config, else the heuristic on the exact problem (on a GPU with
     shared_memory bytes per program; default: this one). The AOT build enumerates it per target
     (flexplan/tuning/aot.py)."""
-    config = configs.get(Bucket.of(problem))
+    bucket = Bucket.of(problem)
+    config = configs.get(bucket)
+    if config is None:
+        config = neighbour_config(configs, bucket)
     return config if config is not None else heuristic_config(family, problem, shared_memory)
+
+
+def neighbour_config(configs: dict, bucket: Bucket) -> KernelConfig | None:
+    """For a bucket the table misses: the tuned config of the same shape's bucket of twice its
+    rows, else of half, if the table has one (else None: the heuristic). A layer whose rows
+    (pairs, for grad-weight) straddle a bucket boundary from step to step then keeps one config
+    on both sides, where the heuristic on the untuned side would hand it a second binary to
+    compile mid-job under the JIT (a float32 training job's grad-weight on the H200's table
+    did: scripts/results/bench_precision.md, session 46). A tuned config serves a problem of
+    half or twice its bucket's rows: block sizes and splits only set how the work is cut."""
+    for rows in (bucket.n * 2, bucket.n // 2):
+        config = configs.get(replace(bucket, n=rows)) if rows >= 1 else None
+        if config is not None:
+            return config
+    return None
 
 
 def _config_for(family: str, problem: Problem, index) -> KernelConfig:
@@ -105,9 +125,12 @@ def _config_for(family: str, problem: Problem, index) -> KernelConfig:
 
 def _resolve(index, bucket: Bucket):
     with _lock:
-        config = _table_for(index).get(bucket)
+        table = _table_for(index)
+        config = table.get(bucket)
         if config is None and index is not None:
             config = _tune_missing(index, bucket)
+        if config is None:
+            config = neighbour_config(table, bucket)
         _memo[(index, bucket)] = config = config or _HEURISTIC
     return config
 
@@ -139,8 +162,9 @@ def add_configs(index: int, configs: dict) -> None:
     """Make freshly tuned {Bucket: KernelConfig} visible to the next calls."""
     with _lock:
         _table_for(index).update(configs)
-        for bucket in configs:
-            _memo.pop((index, bucket), None)
+        for bucket in configs:  # (and its neighbours, which may have taken another's config)
+            for rows in (bucket.n, bucket.n * 2, bucket.n // 2):
+                _memo.pop((index, replace(bucket, n=rows)), None)
         _forget_answers()
 
 

@@ -244,7 +244,7 @@ def candidate_configs(problem: Problem) -> list[KernelConfig]:
                 if bk > _pow2_at_least(k):
                     continue
                 for s in axes["splitk"]:
-                    if s > 1 and not (problem.splitk_allowed and _workspace_ok(problem, s)):
+                    if s > 1 and not (problem.splitk_allowed and splitk_workspace_fits(problem, s)):
                         continue
                     for w in axes["num_warps"]:
                         for st in axes["num_stages"]:
@@ -252,7 +252,9 @@ def candidate_configs(problem: Problem) -> list[KernelConfig]:
     return out
 
 
-def _workspace_ok(problem: Problem, splitk: int) -> bool:
+def splitk_workspace_fits(problem: Problem, splitk: int) -> bool:
+    """Whether `splitk` splits of `problem` keep their fp32 partials within
+    SPLITK_WORKSPACE_BYTES."""
     if problem.part == "wgrad":
         size = problem.co * problem.v * problem.ci
     else:
@@ -297,7 +299,7 @@ def _splitk_for(problem: Problem, tiles: int, k_iters: int, programs_per_sm: int
         return 1
     splitk = 1
     while (tiles * splitk * 2 <= programs_per_sm * num_sms() and k_iters // (splitk * 2) >= 4
-           and _workspace_ok(problem, splitk * 2) and splitk * 2 <= 64):
+           and splitk_workspace_fits(problem, splitk * 2) and splitk * 2 <= 64):
         splitk *= 2
     return splitk
 

@@ -157,6 +157,25 @@ def test_a_usable_tuned_table_adds_exactly_its_reachable_configs(sm90_host, monk
     assert all(dict(c)["MASKED"] for kernel, *_, c in registry if kernel == GATHER_GEMM)
 
 
+def test_tuned_buckets_near_the_ends_keep_the_heuristic_configs_built(sm90_host, monkeypatch):
+    """A tuned bucket lends its config to neighbour buckets (dispatch.neighbour_config), up to
+    the ends of the covered rows: the heuristic's configs past that reach are still built, and
+    the neighbours' config too (buckets near the low end, the high end and between)."""
+    high = coverage.AOT_MAX_ROWS
+    configs = {Bucket("fwd", "masked", "float16", 27, 32, 32, high >> 2):
+               KernelConfig(64, 32, 32, 1, 4, 3),
+               Bucket("fwd", "masked_splitk", "float16", 27, 32, 32, 256):
+               KernelConfig(32, 32, 32, 2, 4, 2),
+               Bucket("dgrad", "masked", "float16", 27, 32, 32, 1 << 14):
+               KernelConfig(128, 32, 32, 1, 4, 4)}
+    gpu = DeviceKey("Some sm_90 GPU", "sm_90", 132, triton_version())
+    table.write_table(TuningTable(gpu, {b: Entry(c, 1.0, 2.0, 3) for b, c in configs.items()}),
+                      sm90_host / "gpu.json")
+    monkeypatch.setattr(dispatch, "current_device_index", lambda: 0)
+    monkeypatch.setattr(dispatch, "device_key", lambda index: gpu)
+    assert _registry((32,)) == _dispatched((32,))
+
+
 def test_tables_of_another_triton_or_gpu_are_not_built(monkeypatch, tmp_path):
     """Dispatch ignores a table tuned under another Triton (or for another arch): so does the
     build (the shipped H100 table is Triton 3.6's; this is 3.9)."""

@@ -116,7 +116,7 @@ def test_corrupt_tables_raise_table_error(tmp_path, mutate):
 def test_lookup_by_bucket(fake_gpu):
     table.write_table(_table(), table.user_table_path(GPU))
     same_bucket = Problem(2100, 64, 64, 27, "float16", "masked", "fwd")
-    other_bucket = Problem(9000, 64, 64, 27, "float16", "masked", "fwd")
+    other_bucket = Problem(3000, 32, 64, 27, "float16", "masked", "fwd")  # (another shape)
     assert dispatch.select_config(GATHER_GEMM, FWD) == TUNED
     assert dispatch.select_config(GATHER_GEMM, same_bucket) == TUNED
     assert dispatch.select_config(GATHER_GEMM, other_bucket) == _heuristic(other_bucket)
@@ -124,25 +124,35 @@ def test_lookup_by_bucket(fake_gpu):
 
 def test_a_missing_bucket_takes_the_tuned_config_of_its_neighbour_rows_bucket(fake_gpu):
     """A layer whose rows cross a bucket boundary keeps the tuned config on both sides (the
-    heuristic there would be a second binary to compile mid-job); farther buckets and other
-    shapes keep the heuristic; the AOT build's rule (config_from) agrees; a config tuned later
+    heuristic there would be a second binary to compile mid-job), the nearest tuned bucket
+    of the shape at any distance (twice the rows before half at one distance); other shapes
+    and a config whose split-K workspace would not fit keep the heuristic; the AOT build's rule (config_from) agrees; a config tuned later
     for the neighbour itself takes over from the borrowed one."""
     table.write_table(_table(), table.user_table_path(GPU))  # FWD: 3000 rows, bucket 4096
     def fwd(rows, ci=64):
         return Problem(rows, ci, 64, 27, "float16", "masked", "fwd")
-    far, other_shape = fwd(9000), fwd(5000, ci=32)
-    for problem in (fwd(5000), fwd(1500)):  # buckets 8192 and 2048
+    other_shape = fwd(5000, ci=32)
+    for problem in (fwd(5000), fwd(1500), fwd(9000), fwd(1000), fwd(40000), fwd(3)):
         assert Bucket.of(problem) != Bucket.of(FWD)
         assert dispatch.select_config(GATHER_GEMM, problem) == TUNED
         assert dispatch.config_from({Bucket.of(FWD): TUNED}, GATHER_GEMM, problem) == TUNED
-    for problem in (far, other_shape):
+    for problem in (other_shape,):
         assert dispatch.select_config(GATHER_GEMM, problem) == _heuristic(problem)
         assert (dispatch.config_from({Bucket.of(FWD): TUNED}, GATHER_GEMM, problem)
                 == _heuristic(problem))
     mine = KernelConfig(64, 64, 32, 1, 4, 2)
+    assert dispatch.select_config(GATHER_GEMM, fwd(20000)) == TUNED  # (memoized)
     dispatch.add_configs(0, {Bucket.of(fwd(5000)): mine})
     assert dispatch.select_config(GATHER_GEMM, fwd(5000)) == mine
-    assert dispatch.select_config(GATHER_GEMM, far) == mine  # (now 16384's neighbour)
+    assert dispatch.select_config(GATHER_GEMM, fwd(20000)) == mine  # (32768: nearer 8192)
+    assert dispatch.select_config(GATHER_GEMM, fwd(1000)) == TUNED  # (1024: nearer 4096)
+    # split-K whose workspace fits its bucket's rows but not 2^24 rows': the heuristic there
+    split = KernelConfig(64, 64, 32, 64, 4, 2)
+    dispatch.add_configs(0, {Bucket.of(fwd(300, ci=16)): split})
+    assert dispatch.select_config(GATHER_GEMM, fwd(300, ci=16)) == split
+    huge = fwd(1 << 24, ci=16)
+    assert dispatch.select_config(GATHER_GEMM, huge) == _heuristic(huge)
+    assert dispatch.select_config(GATHER_GEMM, fwd(9000)) == mine  # (the nearer one)
     assert dispatch.select_config(GATHER_GEMM, FWD) == TUNED
 
 

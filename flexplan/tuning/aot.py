@@ -4,7 +4,8 @@ returns for them.
 The shapes are those of real sparse networks (AOT_WIDTHS, AOT_GEOMETRIES, AOT_DTYPES, rows from
 AOT_MIN_ROWS to AOT_MAX_ROWS). For each, `conv_launches` asks what the ops would launch: the
 algorithm "auto" resolves to (kernel_configs.choose_algo) and the config dispatch returns for it
-(dispatch.config_from: the target's tuned table, else the heuristic), made into the config the
+(dispatch.config_from: the target's tuned table, else a tuned neighbour bucket's config, else the
+heuristic), made into the config the
 kernel is launched with as the ops make it. So the build compiles no variant no call can pick,
 and a new heuristic or table changes the build by itself. flexplan/aot/variants.py turns the
 launches into kernel specializations; tests/test_aot_lean.py checks the set against what
@@ -88,15 +89,18 @@ class ConvLaunch:
 def rows_to_cover(part: str, volume: int, tables: dict, low: int = AOT_MIN_ROWS,
                   high: int = AOT_MAX_ROWS) -> list[int]:
     """The row counts whose dispatch reaches every config of rows low..high: both ends of the
-    range (in pairs for grad-weight) and of each tuned bucket's rows inside it. Between them the
-    heuristic's blocks are fixed and split-K is on up to some row count (gather-GEMM: more rows
-    fill the GPU) or from one on (grad-weight: more pairs per offset), so the ends reach both."""
+    range (in pairs for grad-weight); where a tuned table has buckets of this part and volume,
+    both ends of every rows bucket in the range (a bucket takes its own tuned config, or its
+    nearest tuned neighbour's, or the heuristic where the workspace bars that: dispatch.
+    neighbour_config). Within a stretch of heuristic buckets its blocks are fixed and split-K
+    is on up to some row count (gather-GEMM: more rows fill the GPU) or from one on
+    (grad-weight: more pairs per offset), so the stretch's ends reach both."""
     if part == "wgrad":
         high *= volume
     rows = {low, high}
-    for bucket in tables:
-        if bucket.part == part and bucket.v == volume:
-            rows |= {n for n in (bucket.n // 2 + 1, bucket.n) if low <= n <= high}
+    if any(bucket.part == part and bucket.v == volume for bucket in tables):
+        rows |= {r for k in range(high.bit_length() + 1) for r in ((1 << k) // 2 + 1, 1 << k)
+                 if low <= r <= high}
     return sorted(rows)
 
 

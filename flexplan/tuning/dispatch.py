@@ -1,10 +1,11 @@
 """Pick the kernel config of one call: the tuned table's entry for its bucket, else (opted in
-with FLEXPLAN_TUNE) tune that bucket, else the entry of its neighbour rows bucket
-(neighbour_config), else the heuristic default at once.
+with FLEXPLAN_TUNE) tune that bucket, else the entry of its nearest tuned rows bucket of the same
+shape (neighbour_config), else the heuristic default at once.
 
 FLEXPLAN_TUNE: "off" (default): never benchmark at run time.
-               "background": tune missing buckets in a worker thread; calls use the heuristic
-                             until the result lands (timings share the GPU with the caller).
+               "background": tune missing buckets in a worker thread; calls use the
+                             neighbour's config or the heuristic until the result lands
+                             (timings share the GPU with the caller).
                "ondemand":   tune a missing bucket in the call that first needs it (one-off
                              pause of seconds, exact timings).
 Tables are read once per device and process; a call seen before is one dict get, a new one a
@@ -24,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable
 
-from ..kernel_configs import KernelConfig, Problem, heuristic_config
+from ..kernel_configs import KernelConfig, Problem, heuristic_config, splitk_workspace_fits
 from . import table as _table
 from .buckets import Bucket
 from .device import DeviceKey, current_device_index, device_key
@@ -88,9 +89,9 @@ def answers_epoch() -> int | None:
 def config_from(configs: dict, family: str, problem: Problem,
                 shared_memory: int | None = None) -> KernelConfig:
     """The rule select_config applies with a device's tables `configs` ({Bucket: KernelConfig}):
-    the problem's bucket's tuned config, else the heuristic on the exact problem (on a GPU with
-    shared_memory bytes per program; default: this one). The AOT build enumerates it per target
-    (flexplan/tuning/aot.py)."""
+    the problem's bucket's tuned config, else its nearest tuned neighbour's (neighbour_config),
+    else the heuristic on the exact problem (on a GPU with shared_memory bytes per program;
+    default: this one). The AOT build enumerates it per target (flexplan/tuning/aot.py)."""
     bucket = Bucket.of(problem)
     config = configs.get(bucket)
     if config is None:
@@ -98,19 +99,40 @@ def config_from(configs: dict, family: str, problem: Problem,
     return config if config is not None else heuristic_config(family, problem, shared_memory)
 
 
+# How far (in rows buckets, each twice the last) a missing bucket looks for a tuned neighbour:
+# as far as rows go (a shape the table knows runs a tuned config at any rows; a nearer reach
+# leaves a boundary between tuned and heuristic configs inside one layer's rows: the H200
+# table's up-convolution grad-weight crossed one at three buckets, scripts/
+# probe_dispatch_classes.py, session 46).
+NEIGHBOUR_BUCKETS = 40
+
+
 def neighbour_config(configs: dict, bucket: Bucket) -> KernelConfig | None:
-    """For a bucket the table misses: the tuned config of the same shape's bucket of twice its
-    rows, else of half, if the table has one (else None: the heuristic). A layer whose rows
-    (pairs, for grad-weight) straddle a bucket boundary from step to step then keeps one config
-    on both sides, where the heuristic on the untuned side would hand it a second binary to
-    compile mid-job under the JIT (a float32 training job's grad-weight on the H200's table
-    did: scripts/results/bench_precision.md, session 46). A tuned config serves a problem of
-    half or twice its bucket's rows: block sizes and splits only set how the work is cut."""
-    for rows in (bucket.n * 2, bucket.n // 2):
-        config = configs.get(replace(bucket, n=rows)) if rows >= 1 else None
-        if config is not None:
-            return config
+    """For a bucket the table misses: the tuned config of the nearest bucket of the same shape
+    (part, algorithm, dtype, volume, channels; twice its rows first, then half, four times, a
+    quarter, ... up to NEIGHBOUR_BUCKETS), if the table has one (else None: the heuristic). A
+    layer whose rows (pairs, for grad-weight) straddle a bucket boundary from step to step then
+    keeps the tuned config on both sides, where the heuristic on the untuned side would hand it
+    a second binary to compile mid-job under the JIT (a float32 U-Net's grad-weight and an
+    inverse conv's grad-input on the H200's table did: scripts/probe_dispatch_classes.py,
+    scripts/results/bench_precision.md, session 46). A tuned config serves a problem of other
+    rows than its bucket's: block sizes and splits only set how the work is cut; one whose
+    split-K partials would pass SPLITK_WORKSPACE_BYTES at this bucket's rows is not taken (its
+    own bucket's tuning kept it within them)."""
+    largest = bucket.representative()
+    for step in range(1, NEIGHBOUR_BUCKETS + 1):
+        for rows in neighbour_rows(bucket.n, step):
+            config = configs.get(replace(bucket, n=rows))
+            if config is not None and (config.splitk == 1
+                                       or splitk_workspace_fits(largest, config.splitk)):
+                return config
     return None
+
+
+def neighbour_rows(n: int, step: int) -> tuple[int, ...]:
+    """The rows buckets `step` buckets from bucket n (a power of two): twice as many rows
+    `step` times, then half (none below 1): the order neighbour_config tries them in."""
+    return tuple(rows for rows in (n << step, n >> step) if rows >= 1)
 
 
 def _config_for(family: str, problem: Problem, index) -> KernelConfig:
@@ -163,8 +185,10 @@ def add_configs(index: int, configs: dict) -> None:
     with _lock:
         _table_for(index).update(configs)
         for bucket in configs:  # (and its neighbours, which may have taken another's config)
-            for rows in (bucket.n, bucket.n * 2, bucket.n // 2):
-                _memo.pop((index, replace(bucket, n=rows)), None)
+            _memo.pop((index, bucket), None)
+            for step in range(1, NEIGHBOUR_BUCKETS + 1):
+                for rows in neighbour_rows(bucket.n, step):
+                    _memo.pop((index, replace(bucket, n=rows)), None)
         _forget_answers()
 
 

@@ -8,8 +8,8 @@ job without an AOT bundle would compile in its timed steps (issue #20's "finite 
 
 Usage: python3 scripts/probe_dispatch_classes.py [--network unet|encoder] [--steps 20]
        [--warmup 10] [--dtypes float16,float32] [--gpu "NVIDIA H200"] [--sms 132]
-       [--neighbour-buckets N] (dispatch.NEIGHBOUR_BUCKETS for the run; 0: a table miss runs
-       the heuristic, as before session 46)
+       [--heuristic-misses] (a table miss runs the heuristic, as before session 46's
+       dispatch.neighbour_config)
 """
 from __future__ import annotations
 
@@ -103,9 +103,10 @@ def main() -> None:
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--sms", type=int, default=132)
     p.add_argument("--triton", default="3.6.0")
-    p.add_argument("--neighbour-buckets", type=int, default=dispatch.NEIGHBOUR_BUCKETS)
+    p.add_argument("--heuristic-misses", action="store_true")
     args = p.parse_args()
-    dispatch.NEIGHBOUR_BUCKETS = args.neighbour_buckets
+    if args.heuristic_misses:
+        dispatch.neighbour_config = lambda configs, bucket: None
     key = DeviceKey(args.gpu, args.arch, args.sms, args.triton)
     dispatch.current_device_index = lambda: 0  # (a GPU faked: its shipped table)
     dispatch.device_key = lambda index: key

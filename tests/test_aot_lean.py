@@ -37,10 +37,12 @@ def _int_class(value: int) -> int:
 
 
 def _dense_rows(part: str, v: int) -> list[int]:
-    """Every power of two and its successor over the covered rows (grad-weight: pairs, from the
-    rows up to rows x volume)."""
+    """Every power of two, its successor and the midpoint of the bucket it ends (three
+    quarters of it) over the covered rows (grad-weight: pairs, from the rows up to rows x
+    volume): denser than tuning/aot.rows_to_cover's ends of buckets, so a config reached only
+    inside a bucket (a heuristic split count) would show."""
     high = coverage.AOT_MAX_ROWS * (v if part == "wgrad" else 1)
-    rows = {r for k in range(31) for r in (1 << k, (1 << k) + 1)}
+    rows = {r for k in range(31) for r in (1 << k, (1 << k) + 1, 3 << k >> 2)}
     return sorted(r for r in rows if coverage.AOT_MIN_ROWS <= r <= high)
 
 
@@ -158,22 +160,30 @@ def test_a_usable_tuned_table_adds_exactly_its_reachable_configs(sm90_host, monk
 
 
 def test_tuned_buckets_near_the_ends_keep_the_heuristic_configs_built(sm90_host, monkeypatch):
-    """A tuned bucket lends its config to neighbour buckets (dispatch.neighbour_config), up to
-    the ends of the covered rows: the heuristic's configs past that reach are still built, and
-    the neighbours' config too (buckets near the low end, the high end and between)."""
+    """A tuned bucket lends its config to the other buckets of its shape (dispatch.
+    neighbour_config): built for them; where its split-K workspace would not fit (16 splits of
+    256 x 256 channels from 2^14 rows on) the heuristic runs there alone (the masked buckets of
+    that width borrow a tuned config at every row count) and is built too: the cover reaches
+    inside the range, not only its ends (buckets near the low end, the high end and between)."""
     high = coverage.AOT_MAX_ROWS
     configs = {Bucket("fwd", "masked", "float16", 27, 32, 32, high >> 2):
                KernelConfig(64, 32, 32, 1, 4, 3),
                Bucket("fwd", "masked_splitk", "float16", 27, 32, 32, 256):
                KernelConfig(32, 32, 32, 2, 4, 2),
                Bucket("dgrad", "masked", "float16", 27, 32, 32, 1 << 14):
-               KernelConfig(128, 32, 32, 1, 4, 4)}
+               KernelConfig(128, 32, 32, 1, 4, 4),
+               # (every volume: the variants of two volumes of one size class are one)
+               **{Bucket("fwd", "masked_splitk", "float16", v, 256, 256, 256):
+                  KernelConfig(64, 64, 32, 16, 4, 2) for v in coverage.AOT_VOLUMES},
+               **{Bucket("fwd", "masked", "float16", v, 256, 256, 1 << 20):
+                  KernelConfig(64, 128, 32, 1, 8, 3) for v in coverage.AOT_VOLUMES}}
     gpu = DeviceKey("Some sm_90 GPU", "sm_90", 132, triton_version())
     table.write_table(TuningTable(gpu, {b: Entry(c, 1.0, 2.0, 3) for b, c in configs.items()}),
                       sm90_host / "gpu.json")
     monkeypatch.setattr(dispatch, "current_device_index", lambda: 0)
     monkeypatch.setattr(dispatch, "device_key", lambda index: gpu)
     assert _registry((32,)) == _dispatched((32,))
+    assert _registry((256,)) == _dispatched((256,))
 
 
 def test_tables_of_another_triton_or_gpu_are_not_built(monkeypatch, tmp_path):

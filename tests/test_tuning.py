@@ -125,8 +125,8 @@ def test_lookup_by_bucket(fake_gpu):
 def test_a_missing_bucket_takes_the_tuned_config_of_its_neighbour_rows_bucket(fake_gpu):
     """A layer whose rows cross a bucket boundary keeps the tuned config on both sides (the
     heuristic there would be a second binary to compile mid-job), the nearest tuned bucket
-    of the shape at any distance (twice the rows before half at one distance); other shapes
-    and a config whose split-K workspace would not fit keep the heuristic; the AOT build's rule (config_from) agrees; a config tuned later
+    of the shape at any distance (at equal distance the one of more rows); other shapes and a
+    config whose split-K workspace would not fit keep the heuristic; the AOT build's rule (config_from) agrees; a config tuned later
     for the neighbour itself takes over from the borrowed one."""
     table.write_table(_table(), table.user_table_path(GPU))  # FWD: 3000 rows, bucket 4096
     def fwd(rows, ci=64):
@@ -146,12 +146,25 @@ def test_a_missing_bucket_takes_the_tuned_config_of_its_neighbour_rows_bucket(fa
     assert dispatch.select_config(GATHER_GEMM, fwd(5000)) == mine
     assert dispatch.select_config(GATHER_GEMM, fwd(20000)) == mine  # (32768: nearer 8192)
     assert dispatch.select_config(GATHER_GEMM, fwd(1000)) == TUNED  # (1024: nearer 4096)
-    # split-K whose workspace fits its bucket's rows but not 2^24 rows': the heuristic there
-    split = KernelConfig(64, 64, 32, 64, 4, 2)
-    dispatch.add_configs(0, {Bucket.of(fwd(300, ci=16)): split})
-    assert dispatch.select_config(GATHER_GEMM, fwd(300, ci=16)) == split
-    huge = fwd(1 << 24, ci=16)
-    assert dispatch.select_config(GATHER_GEMM, huge) == _heuristic(huge)
+    # at equal distance the bucket of more rows lends: 4096 between 2048 and 8192 (mine);
+    # a bucket's own entry beats any neighbour
+    few = KernelConfig(16, 64, 32, 1, 4, 2)
+    dispatch.add_configs(0, {Bucket.of(fwd(1500)): few})
+    assert dispatch.select_config(GATHER_GEMM, FWD) == TUNED
+    assert dispatch.select_config(GATHER_GEMM, fwd(700)) == few  # (1024: nearer 2048 now)
+    lone = KernelConfig(32, 32, 32, 1, 4, 2)
+    dispatch.add_configs(0, {Bucket.of(fwd(1500, ci=128)): lone,
+                             Bucket.of(fwd(6000, ci=128)): mine})
+    assert dispatch.select_config(GATHER_GEMM, fwd(3000, ci=128)) == mine
+    assert dispatch.select_config(GATHER_GEMM, fwd(700, ci=128)) == lone
+    # split-K (a real table's: masked_splitk, 16 splits of 256 rows) whose fp32 partials
+    # would pass the workspace cap at 2^16 rows (1 GiB): not lent there, the heuristic runs
+    def splitk(rows):
+        return Problem(rows, 256, 256, 27, "float16", "masked_splitk", "fwd")
+    split = KernelConfig(64, 64, 32, 16, 4, 2)
+    dispatch.add_configs(0, {Bucket.of(splitk(200)): split})
+    assert dispatch.select_config(GATHER_GEMM, splitk(500)) == split
+    assert dispatch.select_config(GATHER_GEMM, splitk(1 << 16)) == _heuristic(splitk(1 << 16))
     assert dispatch.select_config(GATHER_GEMM, fwd(9000)) == mine  # (the nearer one)
     assert dispatch.select_config(GATHER_GEMM, FWD) == TUNED
 

@@ -9,7 +9,8 @@ FLEXPLAN_TUNE: "off" (default): never benchmark at run time.
                "ondemand":   tune a missing bucket in the call that first needs it (one-off
                              pause of seconds, exact timings).
 Tables are read once per device and process; a call seen before is one dict get, a new one a
-bucket computation plus a dict get (plus the heuristic's few arithmetic steps on a miss).
+bucket computation plus a dict get (a new bucket once: the table's entry, its nearest tuned
+neighbour through an index of the table by shape, or the heuristic's few arithmetic steps).
 
 Selection sits below the ops (they call select_config); run-time tuning sits above them (it
 times the ops' launches, cases.py). So this module never imports the tuner: a missing bucket
@@ -99,40 +100,54 @@ def config_from(configs: dict, family: str, problem: Problem,
     return config if config is not None else heuristic_config(family, problem, shared_memory)
 
 
-# How far (in rows buckets, each twice the last) a missing bucket looks for a tuned neighbour:
-# as far as rows go (a shape the table knows runs a tuned config at any rows; a nearer reach
-# leaves a boundary between tuned and heuristic configs inside one layer's rows: the H200
-# table's up-convolution grad-weight crossed one at three buckets, scripts/
-# probe_dispatch_classes.py, session 46).
-NEIGHBOUR_BUCKETS = 40
-
-
 def neighbour_config(configs: dict, bucket: Bucket) -> KernelConfig | None:
     """For a bucket the table misses: the tuned config of the nearest bucket of the same shape
-    (part, algorithm, dtype, volume, channels; twice its rows first, then half, four times, a
-    quarter, ... up to NEIGHBOUR_BUCKETS), if the table has one (else None: the heuristic). A
-    layer whose rows (pairs, for grad-weight) straddle a bucket boundary from step to step then
-    keeps the tuned config on both sides, where the heuristic on the untuned side would hand it
-    a second binary to compile mid-job under the JIT (a float32 U-Net's grad-weight and an
-    inverse conv's grad-input on the H200's table did: scripts/probe_dispatch_classes.py,
+    (part, algorithm, dtype, volume, channels; at equal distance in powers of two, the one of
+    more rows), if the table has one (else None: the heuristic). A layer whose rows (pairs, for
+    grad-weight) straddle a bucket boundary from step to step then keeps the tuned config on
+    both sides, where the heuristic on the untuned side would hand it a second binary to
+    compile mid-job under the JIT (a float32 U-Net's grad-weight and an inverse conv's
+    grad-input on the H200's table did: scripts/probe_dispatch_classes.py,
     scripts/results/bench_precision.md, session 46). A tuned config serves a problem of other
     rows than its bucket's: block sizes and splits only set how the work is cut; one whose
     split-K partials would pass SPLITK_WORKSPACE_BYTES at this bucket's rows is not taken (its
-    own bucket's tuning kept it within them)."""
+    own bucket's tuning kept it within them), the next nearest is. (Layers still change binary
+    where their rows cross choose_algo's algorithm boundary, another shape, or the midpoint
+    between two tuned buckets of one shape.)"""
+    rows_tuned = _shape_index(configs).get(_shape(bucket))
+    if not rows_tuned:
+        return None
     largest = bucket.representative()
-    for step in range(1, NEIGHBOUR_BUCKETS + 1):
-        for rows in neighbour_rows(bucket.n, step):
-            config = configs.get(replace(bucket, n=rows))
-            if config is not None and (config.splitk == 1
-                                       or splitk_workspace_fits(largest, config.splitk)):
-                return config
+    here = bucket.n.bit_length()
+    for rows in sorted(rows_tuned, key=lambda n: (abs(n.bit_length() - here), -n)):
+        config = configs[replace(bucket, n=rows)]
+        if config.splitk == 1 or splitk_workspace_fits(largest, config.splitk):
+            return config
     return None
 
 
-def neighbour_rows(n: int, step: int) -> tuple[int, ...]:
-    """The rows buckets `step` buckets from bucket n (a power of two): twice as many rows
-    `step` times, then half (none below 1): the order neighbour_config tries them in."""
-    return tuple(rows for rows in (n << step, n >> step) if rows >= 1)
+def _shape(bucket: Bucket) -> tuple:
+    return bucket.part, bucket.algo, bucket.dtype, bucket.v, bucket.ci, bucket.co
+
+
+# id(configs) -> (configs, its size when indexed, {shape: rows buckets}): the AOT build asks
+# config_from about one table a million times; the run-time table grows by add_configs (its
+# size then differs: indexed again). The table itself is held, so its id stays its own.
+_shape_indexes: dict = {}
+
+
+def _shape_index(configs: dict) -> dict:
+    known = _shape_indexes.get(id(configs))
+    if known is not None and known[0] is configs and known[1] == len(configs):
+        return known[2]
+    index: dict = {}
+    for tuned in list(configs):
+        index.setdefault(_shape(tuned), []).append(tuned.n)
+    with _lock:
+        if len(_shape_indexes) >= 16:
+            _shape_indexes.clear()
+        _shape_indexes[id(configs)] = (configs, len(configs), index)
+    return index
 
 
 def _config_for(family: str, problem: Problem, index) -> KernelConfig:
@@ -184,11 +199,10 @@ def add_configs(index: int, configs: dict) -> None:
     """Make freshly tuned {Bucket: KernelConfig} visible to the next calls."""
     with _lock:
         _table_for(index).update(configs)
-        for bucket in configs:  # (and its neighbours, which may have taken another's config)
-            _memo.pop((index, bucket), None)
-            for step in range(1, NEIGHBOUR_BUCKETS + 1):
-                for rows in neighbour_rows(bucket.n, step):
-                    _memo.pop((index, replace(bucket, n=rows)), None)
+        # (and every bucket of their shapes, which may have borrowed another's config)
+        shapes = {_shape(bucket) for bucket in configs}
+        for key in [key for key in _memo if key[0] == index and _shape(key[1]) in shapes]:
+            del _memo[key]
         _forget_answers()
 
 

@@ -26,8 +26,8 @@ _worker_lock = threading.Lock()
 
 
 def tune_missing(index: int, bucket: Bucket, mode: str) -> KernelConfig | None:
-    """dispatch's tuning hook: "ondemand" tunes now, "background" queues the bucket (None: the
-    heuristic meanwhile)."""
+    """dispatch's tuning hook: "ondemand" tunes now, "background" queues the bucket (None:
+    dispatch's fallback meanwhile, a tuned neighbour's config or the heuristic)."""
     if mode == "ondemand":
         return tune_now(index, bucket)
     tune_in_background(index, bucket)
@@ -42,8 +42,8 @@ def tune_now(index: int, bucket: Bucket) -> KernelConfig | None:
         return _tune(index, bucket)
     except Exception as err:  # tuning must never break the call that triggered it
         _failed.add(bucket)
-        warnings.warn(f"flexplan: run-time tuning of {bucket} failed ({err}); using the "
-                      "heuristic config", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"flexplan: run-time tuning of {bucket} failed ({err}); using a "
+                      "tuned neighbour's or the heuristic config", RuntimeWarning, stacklevel=2)
         return None
 
 

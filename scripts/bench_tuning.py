@@ -35,7 +35,7 @@ from flexplan.kernels_src.conv_gather_gemm import conv_gather_gemm_kernel  # noq
 from flexplan.kernels_src.conv_wgrad import conv_wgrad_kernel  # noqa: E402
 from flexplan.launch_spec import UNREAD_ADDRESS  # noqa: E402
 from flexplan.ops.conv import (NO_EPILOGUE, dgrad_map, gather_gemm_constexprs,  # noqa: E402
-                               reads_weight_kvn, split_tile_counts, wgrad_constexprs)
+                               gather_gemm_weight, split_tile_counts, wgrad_constexprs)
 from flexplan.tuning import dispatch  # noqa: E402
 from flexplan.tuning.buckets import Bucket  # noqa: E402
 from flexplan.tuning.cases import part_case, shell_workload, torch_dtype  # noqa: E402
@@ -122,8 +122,7 @@ def wrapper_launch(work, part, max_splits):
         return wgrad_splits, grid, args, consts, None, out
     gmap, reverse = (plan.fwd, False) if part == "fwd" else dgrad_map(plan)
     src = work.feats if part == "fwd" else work.grad_out
-    kvn = reads_weight_kvn(part, work.dtype)  # (as ops.conv.gather_gemm reads the weight)
-    w_read = w if part == "fwd" or kvn else w.transpose(0, 2).contiguous()
+    w_read, kvn = gather_gemm_weight(w, part, work.dtype)
     m, k, n = gmap.num_rows, (ci if part == "fwd" else co), (co if part == "fwd" else ci)
     masked = algo.startswith("masked")
     dest = torch.empty((max_splits, m, n), dtype=torch.float32, device=w.device)

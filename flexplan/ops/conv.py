@@ -127,6 +127,16 @@ def reads_weight_kvn(part: str, dtype: str) -> bool:
     return part == "dgrad" and dtype in WEIGHT_KVN_DTYPES and not DGRAD_WEIGHT_COPY
 
 
+def gather_gemm_weight(weight: torch.Tensor, part: str, dtype: str) -> tuple:
+    """(the weight as the gather-GEMM of `part` in `dtype` reads it, weight_kvn): the conv's
+    [Co, V, Ci] as it is (the forward, 16-bit grad-input: reads_weight_kvn) or its transposed
+    copy (other grad-input)."""
+    weight_kvn = reads_weight_kvn(part, dtype)
+    if part != "fwd" and not weight_kvn:
+        weight = weight.transpose(0, 2).contiguous()
+    return weight, weight_kvn
+
+
 # The gather-GEMM's epilogue argument (kernels_src/conv_gather_gemm.py): none, + bias, or an
 # eval BatchNorm and ReLU (BatchNormReLU) whose tensors are in the features' dtype or float32.
 NO_EPILOGUE, BIAS_EPILOGUE = EPILOGUE_NONE.value, EPILOGUE_BIAS.value
@@ -258,11 +268,7 @@ def gather_gemm(src, weight, bias, gmap: GatherMap, reverse: bool, part: str, al
     cfg, masked, map_t, chunks, valid_kernel, valid_kernel_seg, dtype, hip = _kept_launch(
         gmap, (part, algo, k, n, v, src.dtype, allow_tf32), src.device,
         lambda: _gather_gemm_launch(src, gmap, part, algo, m, ci, co, v, allow_tf32))
-    # The kernel reads the weight [Co, V, Ci] as [N, V, K] (the forward) or, for 16-bit grad-
-    # input, as stored ([K, V, N]: reads_weight_kvn); other grad-input a transposed copy.
-    weight_kvn = reads_weight_kvn(part, dtype)
-    if part != "fwd" and not weight_kvn:
-        weight = weight.transpose(0, 2).contiguous()
+    weight, weight_kvn = gather_gemm_weight(weight, part, dtype)
     if cfg.splitk > 1:  # the kernel's last split of each tile sums the partials
         partials = torch.empty((cfg.splitk, m, n), device=src.device,
                                dtype=torch_fallback.accumulator_dtype(src.dtype))

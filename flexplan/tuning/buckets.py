@@ -37,6 +37,12 @@ class Bucket:
         return Problem(self.n, self.ci, self.co, self.v, self.dtype, self.algo, self.part)
 
     @property
+    def shape(self) -> tuple:
+        """Everything but the rows: the buckets a tuned config may lend to (dispatch.
+        neighbour_config)."""
+        return self.part, self.algo, self.dtype, self.v, self.ci, self.co
+
+    @property
     def family(self) -> str:
         return self.representative().family
 

@@ -114,7 +114,7 @@ def neighbour_config(configs: dict, bucket: Bucket) -> KernelConfig | None:
     own bucket's tuning kept it within them), the next nearest is. (Layers still change binary
     where their rows cross choose_algo's algorithm boundary, another shape, or the midpoint
     between two tuned buckets of one shape.)"""
-    rows_tuned = _shape_index(configs).get(_shape(bucket))
+    rows_tuned = _shape_index(configs).get(bucket.shape)
     if not rows_tuned:
         return None
     largest = bucket.representative()
@@ -124,10 +124,6 @@ def neighbour_config(configs: dict, bucket: Bucket) -> KernelConfig | None:
         if config.splitk == 1 or splitk_workspace_fits(largest, config.splitk):
             return config
     return None
-
-
-def _shape(bucket: Bucket) -> tuple:
-    return bucket.part, bucket.algo, bucket.dtype, bucket.v, bucket.ci, bucket.co
 
 
 # id(configs) -> (configs, its size when indexed, {shape: rows buckets}): the AOT build asks
@@ -142,7 +138,7 @@ def _shape_index(configs: dict) -> dict:
         return known[2]
     index: dict = {}
     for tuned in list(configs):
-        index.setdefault(_shape(tuned), []).append(tuned.n)
+        index.setdefault(tuned.shape, []).append(tuned.n)
     with _lock:
         if len(_shape_indexes) >= 16:
             _shape_indexes.clear()
@@ -200,8 +196,8 @@ def add_configs(index: int, configs: dict) -> None:
     with _lock:
         _table_for(index).update(configs)
         # (and every bucket of their shapes, which may have borrowed another's config)
-        shapes = {_shape(bucket) for bucket in configs}
-        for key in [key for key in _memo if key[0] == index and _shape(key[1]) in shapes]:
+        shapes = {bucket.shape for bucket in configs}
+        for key in [key for key in _memo if key[0] == index and key[1].shape in shapes]:
             del _memo[key]
         _forget_answers()
 

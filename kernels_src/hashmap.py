@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from .plan_hash import lane_sums
+from .row_count import live_rows
 
 EMPTY_KEY = tl.constexpr(-1)
 MISSING = tl.constexpr(-1)
@@ -58,9 +59,9 @@ def _voxel_key(b, x, y, z, size_x, size_y, size_z, KEY_64: tl.constexpr):
 # only do arithmetic or scalar accesses with them): the row count, the slot mask (the table's
 # size follows it), the batch size (1 would compile its own binary), the grid extents (a job may
 # pass each batch's own) and the coords (the caller's tensor, maybe a view).
-@triton.jit(do_not_specialize=["coords", "n", "slot_mask", "batch_size", "size_x", "size_y",
-                               "size_z"])
-def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, nmap, nmap_t, batch_size,
+@triton.jit(do_not_specialize=["coords", "n", "n_at", "slot_mask", "batch_size", "size_x",
+                               "size_y", "size_z"])
+def hash_insert_kernel(table_keys, table_vals, coords, n, n_at, slot_mask, nmap, nmap_t, batch_size,
                        size_x, size_y, size_z, V: tl.constexpr, KEY_64: tl.constexpr,
                        LANES: tl.constexpr, MAP_T: tl.constexpr, BLOCK: tl.constexpr):
     """Insert key(coords[i]) -> i for the rows inside the grid, and note what is wrong with the
@@ -78,7 +79,10 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, nmap, nmap_
     coordinates' identity (flexplan/coords_hash.py: two lanes over the rows as int64 words,
     kernels_src/plan_hash.py) into the two slots after the problems, summed by atomic adds
     (integer sums do not depend on order); they start at -1 like the table, program 0 adds 1.
+    n_at: kernels_src/row_count.py (n then sizes nmap_t's rows).
     """
+    cap = n
+    n = live_rows(n, n_at)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < n
     problems = table_keys + slot_mask + 1
@@ -113,7 +117,7 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, slot_mask, nmap, nmap_
         tl.store(run + local, tl.where(local % V == V // 2, owner, MISSING), mask=owner < n)
     if MAP_T:
         for c in range(V):
-            tl.store(nmap_t + c * n.to(tl.int64) + rows, tl.where(c == V // 2, rows, MISSING),
+            tl.store(nmap_t + c * cap.to(tl.int64) + rows, tl.where(c == V // 2, rows, MISSING),
                      mask=live)
     active = live & inside
     key = _voxel_key(b, x, y, z, size_x, size_y, size_z, KEY_64)
@@ -157,10 +161,10 @@ def _lookup(table_keys, table_vals, key, active, slot_mask, KEY_64: tl.constexpr
     return found
 
 
-@triton.jit(do_not_specialize=["coords", "n", "slot_mask", "batch_size", "size_x", "size_y",
-                               "size_z"])
+@triton.jit(do_not_specialize=["coords", "n", "n_at", "slot_mask", "batch_size", "size_x",
+                               "size_y", "size_z"])
 def submanifold_neighbor_map_kernel(
-        table_keys, table_vals, coords, nmap, nmap_t, n, slot_mask,
+        table_keys, table_vals, coords, nmap, nmap_t, n, n_at, slot_mask,
         batch_size, size_x, size_y, size_z,
         KX: tl.constexpr, KY: tl.constexpr, KZ: tl.constexpr,
         DX: tl.constexpr, DY: tl.constexpr, DZ: tl.constexpr,
@@ -170,8 +174,11 @@ def submanifold_neighbor_map_kernel(
 
     One lane per (row i, offset v < V // 2). Offsets v and V - 1 - v are opposite, so a hit
     j also gives nmap[j, V - 1 - v] = i: half the lookups, but nmap[i, V - 1 - v] has no writer
-    when there is no such j, which is why the map must start as MISSING.
+    when there is no such j, which is why the map must start as MISSING. n_at: as
+    hash_insert_kernel's.
     """
+    cap = n
+    n = live_rows(n, n_at)
     V: tl.constexpr = KX * KY * KZ
     HALF: tl.constexpr = V // 2
     lane = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -193,5 +200,5 @@ def submanifold_neighbor_map_kernel(
     tl.store(nmap + row * V + v, j, mask=hit)
     tl.store(nmap + j.to(tl.int64) * V + (V - 1 - v), row.to(tl.int32), mask=hit)
     if MAP_T:
-        tl.store(nmap_t + v.to(tl.int64) * n + row, j, mask=hit)
-        tl.store(nmap_t + (V - 1 - v).to(tl.int64) * n + j, row.to(tl.int32), mask=hit)
+        tl.store(nmap_t + v.to(tl.int64) * cap + row, j, mask=hit)
+        tl.store(nmap_t + (V - 1 - v).to(tl.int64) * cap + j, row.to(tl.int32), mask=hit)

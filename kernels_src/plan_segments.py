@@ -15,6 +15,8 @@ where it could pass 2^31) places each entry's pairs from scan[entry - 1] (0 for 
 import triton
 import triton.language as tl
 
+from .row_count import live_rows
+
 MISSING = tl.constexpr(-1)
 # valid_kernel / valid_kernel_seg of each block size start at a multiple of 4 int32s (16 bytes).
 # (The kernels that read them do not specialize on their alignment: see conv_gather_gemm.py.)
@@ -25,16 +27,20 @@ ALIGN = tl.constexpr(4)
 # at size-dependent places (the caller's readback slots, seg) are read or written one value at a
 # time: none is specialized (specializing would only multiply binaries). The constexprs and the
 # alignment of the kernels' own allocations are.
-@triton.jit(do_not_specialize=["n", "signal_offsets", "padded"])
-def gray_rank_kernel(nmap, ranks, counts, n, signal_offsets, padded, V: tl.constexpr,
+@triton.jit(do_not_specialize=["n", "n_at", "signal_offsets", "padded"])
+def gray_rank_kernel(nmap, ranks, counts, n, n_at, signal_offsets, padded, V: tl.constexpr,
                      WORDS: tl.constexpr, WORD_BITS: tl.constexpr, BLOCK: tl.constexpr):
     """ranks[w, i] = word w of row i's inverse-Gray-code rank (offset V-1 most significant), and
     the pair count of each offset v < signal_offsets in this program's rows. One word: ranks
     [n, padded) (padded <= 2n) get the largest word, which sorts after every rank (a sort
-    of a fixed size, flexplan/planner/rank_sort.py). Grid: the row blocks."""
+    of a fixed size, flexplan/planner/rank_sort.py). Grid: the row blocks. n_at:
+    kernels_src/row_count.py (ranks [n_at's rows, padded) get the largest word, words are n
+    apart)."""
     MASK_BITS: tl.constexpr = WORD_BITS - 1
     ALL_ONES: tl.constexpr = (1 << MASK_BITS) - 1
     DT: tl.constexpr = ranks.dtype.element_ty
+    cap = n
+    n = live_rows(n, n_at)
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = rows < n
@@ -54,7 +60,7 @@ def gray_rank_kernel(nmap, ranks, counts, n, signal_offsets, padded, V: tl.const
                 word = word ^ (word >> (1 << s))
         word = word ^ (carry * ALL_ONES)  # parity of the higher words flips every bit here
         carry = word & 1
-        tl.store(ranks + w * n + rows, word, mask=live)
+        tl.store(ranks + w * cap + rows, word, mask=live)
         tl.store(counts + cols.to(tl.int64) * tl.num_programs(0) + pid,
                  tl.sum(present.to(tl.int32), axis=0), mask=valid & (cols < signal_offsets))
     if WORDS == 1:  # this program's share of the padding: rows n + its rows
@@ -148,15 +154,17 @@ def _unions(masks, previous, l: tl.constexpr, B0: tl.constexpr, ROWS: tl.constex
 
 
 @triton.jit
-def _chunk_tile(sorted_ranks, order, nmap, map_t, sorted_idx, plan_out, readback, state, n, c,
-                chunks, kernels_at, segs_at, V: tl.constexpr, WORDS: tl.constexpr,
+def _chunk_tile(sorted_ranks, order, nmap, map_t, sorted_idx, plan_out, readback, state, n, cap,
+                c, chunks, kernels_at, segs_at, V: tl.constexpr, WORDS: tl.constexpr,
                 WORD_BITS: tl.constexpr, B0: tl.constexpr, LEVELS: tl.constexpr,
                 FLAGS: tl.constexpr, ROWS: tl.constexpr, LOOK_BACK: tl.constexpr):
     """Chunk c of ROWS sorted rows, which holds whole blocks of every block size: their unions
     and offset counts; one look-back with a column per block size; then each size's segs and
     offsets. sorted_idx = int32(order) on the way; the last chunk reports each size's total.
     Last (after its prefix is published: no tile waits for it), the chunk's columns of map_t
-    [V, n], the map in sorted order as the gather kernels read it (plan_views.sorted_map_t)."""
+    [V, n], the map in sorted order as the gather kernels read it (plan_views.sorted_map_t).
+    n: the live rows; cap: the rows the launch was made for (the ranks' word stride, the
+    regions' sizes), n but in a replayed graph (kernels_src/row_count.py)."""
     MASK_BITS: tl.constexpr = WORD_BITS - 1
     WORDS_P2: tl.constexpr = triton.next_power_of_2(WORDS)
     LEVELS_P2: tl.constexpr = triton.next_power_of_2(LEVELS)
@@ -164,9 +172,9 @@ def _chunk_tile(sorted_ranks, order, nmap, map_t, sorted_idx, plan_out, readback
     live = rows < n
     tl.store(sorted_idx + rows, tl.load(order + rows, mask=live).to(tl.int32), mask=live)
     word = tl.arange(0, WORDS_P2)
-    at = word[None, :] * n + rows[:, None]
+    at = word[None, :] * cap + rows[:, None]
     rank = tl.load(sorted_ranks + at, mask=live[:, None] & (word < WORDS)[None, :], other=0)
-    above = tl.load(sorted_ranks + at + n, mask=live[:, None] & (word + 1 < WORDS)[None, :], other=0)
+    above = tl.load(sorted_ranks + at + cap, mask=live[:, None] & (word + 1 < WORDS)[None, :], other=0)
     # Word w's mask; its top bit pairs with the lowest rank bit of the word above.
     masks = rank ^ (rank >> 1) ^ ((above & 1) << (MASK_BITS - 1))
     level = tl.arange(0, LEVELS_P2)
@@ -186,8 +194,9 @@ def _chunk_tile(sorted_ranks, order, nmap, map_t, sorted_idx, plan_out, readback
         n_blocks = (n + (B0 << l) - 1) // (B0 << l)
         _write_level(plan_out, union, tl.sum(tl.where(level == l, prefix, 0)), region, seg_at, c,
                      n_blocks, B0 << l, WORDS, WORD_BITS, ROWS)
-        region += _aligned(n_blocks * V)
-        seg_at += _aligned(n_blocks + 1)
+        cap_blocks = (cap + (B0 << l) - 1) // (B0 << l)
+        region += _aligned(cap_blocks * V)
+        seg_at += _aligned(cap_blocks + 1)
     source = tl.load(order + rows, mask=live, other=0).to(tl.int64) * V
     for v in tl.range(0, V):
         entry = tl.load(nmap + source + v, mask=live, other=MISSING)
@@ -234,10 +243,10 @@ def _pair_tile(counts, scan, readback, state, entries, p, pair_tiles, FLAGS: tl.
         tl.store(readback + FLAGS + LEVELS, prefix + tl.sum(count))
 
 
-@triton.jit(do_not_specialize=["readback", "n", "entries", "kernels_at", "segs_at", "chunks",
-                               "tiles"])
+@triton.jit(do_not_specialize=["readback", "n", "n_at", "entries", "kernels_at", "segs_at",
+                               "chunks", "tiles"])
 def schedule_offsets_kernel(sorted_ranks, order, nmap, map_t, sorted_idx, counts, scan, plan_out,
-                            readback, n, entries, kernels_at, segs_at, chunks, tiles,
+                            readback, n, n_at, entries, kernels_at, segs_at, chunks, tiles,
                             V: tl.constexpr,
                             WORDS: tl.constexpr, WORD_BITS: tl.constexpr, B0: tl.constexpr,
                             LEVELS: tl.constexpr, FLAGS: tl.constexpr, ROWS: tl.constexpr,
@@ -254,22 +263,23 @@ def schedule_offsets_kernel(sorted_ranks, order, nmap, map_t, sorted_idx, counts
     Written for the host's one sync into readback, after the FLAGS entries the caller's kernels
     wrote: each block size's offset total, then the pairs' total. After those, readback holds
     the look-back state, all -1 before the launch: [chunks, LEVELS], [tiles - chunks], then the
-    ticket counter."""
+    ticket counter. n_at (kernels_src/row_count.py): the layout is n's, the live rows (the
+    blocks written, map_t's [V, rows]) n_at's."""
     chunk_state = readback + FLAGS + LEVELS + 1
     pair_state = chunk_state + chunks * LEVELS
     tile = tl.atomic_add(pair_state + tiles - chunks, 1) + 1
     if tile < chunks:
         if LEVELS > 0:  # (without block sizes there are no chunk tiles)
             _chunk_tile(sorted_ranks, order, nmap, map_t, sorted_idx, plan_out, readback,
-                        chunk_state, n, tile, chunks, kernels_at, segs_at, V, WORDS, WORD_BITS, B0,
+                        chunk_state, live_rows(n, n_at), n, tile, chunks, kernels_at, segs_at, V, WORDS, WORD_BITS, B0,
                         LEVELS, FLAGS, ROWS, LOOK_BACK)
     else:
         _pair_tile(counts, scan, readback, pair_state, entries, tile - chunks, tiles - chunks,
                    FLAGS, LEVELS, PAIR_TILE, LOOK_BACK)
 
 
-@triton.jit(do_not_specialize=["room", "seg", "n"])
-def pairs_kernel(nmap, scan, pair_rows, room, seg, n, V: tl.constexpr,
+@triton.jit(do_not_specialize=["room", "seg", "n", "n_at"])
+def pairs_kernel(nmap, scan, pair_rows, room, seg, n, n_at, V: tl.constexpr,
                  SIGNAL: tl.constexpr, BLOCK: tl.constexpr, V_CHUNK: tl.constexpr):
     """valid_signal: the pairs (nmap[i, v], i) of this program's rows i, per offset v < SIGNAL,
     rows ascending, at position scan[its entry - 1] of the input rows (pair_rows) and of the
@@ -277,7 +287,8 @@ def pairs_kernel(nmap, scan, pair_rows, room, seg, n, V: tl.constexpr,
     (A static loop over the offsets: a runtime one gets software-pipelined, which made the
     kernel 1.5x slower.) Grid: the row blocks of gray_rank. A [BLOCK, V_CHUNK] tile of the map
     at a time: one load of whole map rows and one scan down the rows for V_CHUNK offsets
-    together."""
+    together. n_at: kernels_src/row_count.py."""
+    n = live_rows(n, n_at)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -84,6 +84,10 @@ VARIANTS = {"flexplan-fused": {"fuse": True},
             # grad-input over a transposed copy of the weight, as before session 46
             "flexplan-dgrad-weight-copy": {"settings": (
                 ("flexplan.ops.conv", "DGRAD_WEIGHT_COPY", True),)},
+            # every submanifold training build eager, as before session 47
+            # (planner/build_graphs.py: replayed from CUDA graphs)
+            "flexplan-eager-builds": {"settings": (
+                ("flexplan.planner.build_graphs", "CAPTURE_BUILDS", False),)},
             "flexplan-no-graph-ops": {"settings": (
                 ("flexplan.plan", "_register_token", lambda plan: None),
                 ("flexplan.nn.spconv_layers", "sparse_conv",
@@ -112,6 +116,7 @@ _VARIANT_LABELS = {
     "flexplan-python-launch": "flexplan Python launch path / flexplan fp16",
     "flexplan-no-graph-ops": "flexplan without graph-op costs / flexplan fp16",
     "flexplan-dgrad-weight-copy": "flexplan dgrad over a weight copy / flexplan fp16",
+    "flexplan-eager-builds": "flexplan eager builds / flexplan fp16",
 }
 VARIANT_RATIOS = {name: (label, (name, "fp16"), ("flexplan", "fp16"))
                   for name, label in _VARIANT_LABELS.items()}

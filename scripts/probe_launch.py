@@ -16,6 +16,7 @@ from flexplan import launcher
 from flexplan import plan as plan_module
 from flexplan.plan import PendingCount
 from flexplan.aot import direct
+from flexplan.launch_spec import UNREAD_ADDRESS
 from flexplan.planner.segments_triton import launch_gray_rank
 from flexplan.planner.segments_torch import rank_words
 
@@ -107,7 +108,8 @@ def main() -> None:
         recorded.update(kernel=kernel, grid=grid, args=a, constexprs=c)
         launcher.launch(kernel, grid, *a, **c)
 
-    launch_gray_rank(recording_run, nmap, ranks, counts, n, 14, n, v, words, word_bits)
+    launch_gray_rank(recording_run, nmap, ranks, counts, n, UNREAD_ADDRESS, 14, n, v, words,
+                     word_bits)
     kernel, grid, a, c = (recorded[k] for k in ("kernel", "grid", "args", "constexprs"))
     dev = torch._C._cuda_getDevice()
     key = launcher._call_key(kernel, dev, a, c)
@@ -130,7 +132,7 @@ def main() -> None:
         print("static launcher unavailable:", static)
     rows = [
         ("launch_gray_rank(launch, ...)", lambda: launch_gray_rank(
-            launcher.launch, nmap, ranks, counts, n, 14, n, v, words, word_bits)),
+            launcher.launch, nmap, ranks, counts, n, UNREAD_ADDRESS, 14, n, v, words, word_bits)),
         ("launcher.launch(kernel, grid, *args)", lambda: launcher.launch(kernel, grid, *a, **c)),
         ("  the same, Python path (NATIVE_LAUNCHES off)", lambda: _python_path(kernel, grid, a, c)),
         ("  the same, tensors (TENSORS_AS_ADDRESSES off)", lambda: _with_tensors(kernel, grid, a, c)),

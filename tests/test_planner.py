@@ -180,6 +180,7 @@ def test_gray_rank_kernel_pads_the_keys(device):
     """Ranks padded to a sort's fixed size: the padding holds the largest word, what lies
     past it is untouched, and the ranks equal the torch path's."""
     from flexplan.kernels_src import plan_segments
+    from flexplan.launch_spec import UNREAD_ADDRESS
     from flexplan.launcher import launch
     from flexplan.planner.segments_triton import GRAY_RANK_LAUNCH, ROW_BLOCK
 
@@ -187,8 +188,8 @@ def test_gray_rank_kernel_pads_the_keys(device):
     nmap = _random_map(volume, m, device)
     keys = torch.full((200,), 7, dtype=torch.int32, device=device)
     counts = torch.empty(volume * -(-m // ROW_BLOCK), dtype=torch.int32, device=device)
-    launch(plan_segments.gray_rank_kernel, (-(-m // ROW_BLOCK),), nmap, keys, counts, m, volume,
-           padded, V=volume, WORDS=1, WORD_BITS=32, **GRAY_RANK_LAUNCH)
+    launch(plan_segments.gray_rank_kernel, (-(-m // ROW_BLOCK),), nmap, keys, counts, m,
+           UNREAD_ADDRESS, volume, padded, V=volume, WORDS=1, WORD_BITS=32, **GRAY_RANK_LAUNCH)
     assert torch.equal(keys[:m], gray_rank_words(nmap != MISSING)[0])
     assert (keys[m:padded] == 2**31 - 1).all() and (keys[padded:] == 7).all()
 

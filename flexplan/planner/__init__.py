@@ -14,6 +14,7 @@ from ..plan import (ConvPlan, maps_only_request, mirrored_signal_offsets, signal
                     with_sorted_map_t)
 from ..coords_check import check_coords, check_coords_layout, raise_coords_problems
 from .generative import generative_plan, output_spatial_shape
+from .build_graphs import captured_build
 from .generative_triton import generative_plan_triton
 from .hashmap import PROBLEM_SLOTS, problem_rows, submanifold_neighbor_map_triton
 from .reference import submanifold_neighbor_map_torch
@@ -78,6 +79,14 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
                                       batch_size, geometry, training, maps_only)
     signal_offsets = mirrored_signal_offsets(geometry.volume) if training else 0
     unscheduled = not training and not scheduled  # (a first sighting's: schedule_deferred)
+    if backend == "triton" and training and not check and coords.is_cuda:
+        # A build that reads nothing back: replayed from a CUDA graph where one is kept
+        # (build_graphs.py; its pairs deferred as below, sized by its bucket's rows).
+        replayed = captured_build(coords.shape[0], shape, batch_size, geometry, signal_offsets,
+                                  coords.device, DEFERRED_PAIRS_MAX)
+        if replayed is not None:
+            fwd, signal = replayed.build(coords)
+            return _submanifold_plan(coords, shape, batch_size, geometry, fwd, signal, training)
     if backend == "torch":
         if check:
             check_coords(coords, shape, batch_size)
@@ -118,6 +127,10 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
     # The Triton build's coords check: a flag other than -1 names a row.
     if check and flag_values is not None and max(flag_values) >= 0:
         raise_coords_problems(coords, shape, batch_size, *problem_rows(flag_values, coords.shape[0]))
+    return _submanifold_plan(coords, shape, batch_size, geometry, fwd, signal, training)
+
+
+def _submanifold_plan(coords, shape, batch_size, geometry, fwd, signal, training) -> ConvPlan:
     return ConvPlan(
         geometry=geometry, batch_size=batch_size, in_spatial_shape=shape, out_spatial_shape=shape,
         num_in=coords.shape[0], num_out=coords.shape[0], out_coords=coords,

@@ -11,7 +11,7 @@ import torch
 
 from ..geometry import ConvGeometry
 from ..kernels_src import hashmap as kernels
-from ..launch_spec import INT32, INT64, SIZE
+from ..launch_spec import ADDRESS, INT32, INT64, SIZE, UNREAD_ADDRESS
 from ..launcher import launch
 from .keys import EMPTY_KEY, key_dtype
 
@@ -33,28 +33,29 @@ _POINT = ConvGeometry.make(1)
 # and the AOT build (flexplan/aot/variants.py), which records them with example arguments.
 
 def launch_hash_insert(run, table_keys: INT64, table_vals: INT32, coords: INT32, n: SIZE,
-                       slot_mask: SIZE, nmap: INT32, nmap_t: INT32, batch_size: SIZE,
-                       size_x: SIZE, size_y: SIZE, size_z: SIZE, volume: int, key_64: bool,
-                       lanes: bool, map_t: bool) -> None:
+                       n_at: ADDRESS, slot_mask: SIZE, nmap: INT32, nmap_t: INT32,
+                       batch_size: SIZE, size_x: SIZE, size_y: SIZE, size_z: SIZE, volume: int,
+                       key_64: bool, lanes: bool, map_t: bool) -> None:
     """The table of coords' n keys, in table_keys' first slot_mask + 1 slots, the input's
     problems in the PROBLEM_SLOTS after them; starts nmap [n, volume] (its centre column) and,
     with map_t, nmap_t [volume, n]. lanes: also coords' identity lanes (coords_hash) in the 2
-    slots after the problems."""
+    slots after the problems. n_at: UNREAD_ADDRESS, or where the live rows' count is, n the
+    most (kernels_src/row_count.py)."""
     run(kernels.hash_insert_kernel, (-(-n // INSERT_LAUNCH["BLOCK"]),), table_keys, table_vals,
-        coords, n, slot_mask, nmap, nmap_t, batch_size, size_x, size_y, size_z, V=volume,
+        coords, n, n_at, slot_mask, nmap, nmap_t, batch_size, size_x, size_y, size_z, V=volume,
         KEY_64=key_64, LANES=lanes, MAP_T=map_t, **INSERT_LAUNCH)
 
 
 def launch_neighbor_map(run, table_keys: INT64, table_vals: INT32, coords: INT32, nmap: INT32,
-                        nmap_t: INT32, n: SIZE, slot_mask: SIZE, batch_size: SIZE, size_x: SIZE,
-                        size_y: SIZE, size_z: SIZE, geometry: ConvGeometry, key_64: bool,
-                        map_t: bool) -> None:
+                        nmap_t: INT32, n: SIZE, n_at: ADDRESS, slot_mask: SIZE, batch_size: SIZE,
+                        size_x: SIZE, size_y: SIZE, size_z: SIZE, geometry: ConvGeometry,
+                        key_64: bool, map_t: bool) -> None:
     """nmap [n, V] of a submanifold geometry (and with map_t its transpose nmap_t [V, n]): a
-    lane per row and looked-up offset (half)."""
+    lane per row and looked-up offset (half). n_at: as launch_hash_insert's."""
     (kx, ky, kz), (dx, dy, dz) = geometry.kernel_size, geometry.dilation
     lanes = n * (kx * ky * kz // 2)
     run(kernels.submanifold_neighbor_map_kernel, (-(-lanes // LOOKUP_LAUNCH["BLOCK"]),),
-        table_keys, table_vals, coords, nmap, nmap_t, n, slot_mask, batch_size, size_x, size_y,
+        table_keys, table_vals, coords, nmap, nmap_t, n, n_at, slot_mask, batch_size, size_x, size_y,
         size_z, KX=kx, KY=ky, KZ=kz, DX=dx, DY=dy, DZ=dz, KEY_64=key_64, MAP_T=map_t,
         **LOOKUP_LAUNCH)
 
@@ -67,7 +68,8 @@ def table_capacity(n: int) -> int:
 def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
                                     batch_size: int, geometry: ConvGeometry, spare_slots: int = 0,
                                     flags: bool = True, lanes: bool = False,
-                                    map_t: torch.Tensor | None = None
+                                    map_t: torch.Tensor | None = None,
+                                    rows_at: int = UNREAD_ADDRESS
                                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(nmap, problems). nmap: int32 [N, V], entry (i, v) is the row at coords[i] + offset v, or
     MISSING. problems: device int64 [PROBLEM_SLOTS + spare_slots]: the first row outside the
@@ -78,7 +80,10 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     spare slots get coords' identity lanes (coords_hash.digest_lanes' values). The map only
     means something when both problems are -1, but it is always safe to read. map_t: an int32
     [V, N] tensor the kernels fill with the map's transpose too (rows in their own order: the
-    gather kernels' layout of an unscheduled map). No host sync."""
+    gather kernels' layout of an unscheduled map). rows_at: UNREAD_ADDRESS, or the address of
+    an int32 count of the rows of coords that live (a build recorded in a CUDA graph for at most
+    coords' rows: planner/build_graphs.py); the map's rows past it stay MISSING, the problems
+    are undefined. No host sync."""
     if lanes and not (flags and spare_slots >= 2):
         raise ValueError("identity lanes need the problem slots and two spare slots")
     n, volume = coords.shape[0], geometry.volume
@@ -99,11 +104,12 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     if n:
         transposed = map_t is not None
         nmap_t = map_t if transposed else nmap  # (not written without map_t)
-        launch_hash_insert(launch, keys, values, coords, n, capacity - 1, nmap, nmap_t,
+        launch_hash_insert(launch, keys, values, coords, n, rows_at, capacity - 1, nmap, nmap_t,
                            batch_size, *spatial_shape, volume, key_64, lanes, transposed)
         if volume > 1:  # (1x1x1: the insert wrote the map's one column)
-            launch_neighbor_map(launch, keys, values, coords, nmap, nmap_t, n, capacity - 1,
-                                batch_size, *spatial_shape, geometry, key_64, transposed)
+            launch_neighbor_map(launch, keys, values, coords, nmap, nmap_t, n, rows_at,
+                                capacity - 1, batch_size, *spatial_shape, geometry, key_64,
+                                transposed)
     return nmap, problems
 
 

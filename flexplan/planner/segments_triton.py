@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..kernels_src import plan_segments as kernels
-from ..launch_spec import INT32, INT64, SCAN, SIZE, WORDS
+from ..launch_spec import ADDRESS, INT32, INT64, SCAN, SIZE, UNREAD_ADDRESS, WORDS
 from ..launcher import cdiv, launch
 from ..plan import BlockRuns, GatherMap, PendingCount, with_sorted_map_t
 from .rank_sort import TorchSort, rank_sorter
@@ -142,34 +142,35 @@ def readback_bound(m: int, block_sizes: tuple[int, ...], signal_offsets: int) ->
 # Launch descriptions: each launch written once (flexplan/launch_spec.py), for the planner below
 # and the AOT build (flexplan/aot/variants.py), which records them with example arguments.
 
-def launch_gray_rank(run, nmap: INT32, ranks: WORDS, counts: INT32, n: SIZE,
+def launch_gray_rank(run, nmap: INT32, ranks: WORDS, counts: INT32, n: SIZE, n_at: ADDRESS,
                      signal_offsets: SIZE, padded: SIZE, v: int, words: int,
                      word_bits: int) -> None:
     """Gray ranks of nmap [n, v]'s rows (rank_words(v): words, word_bits) padded to `padded`,
-    and the pair counts of the offsets < signal_offsets per row block."""
-    run(kernels.gray_rank_kernel, (-(-n // ROW_BLOCK),), nmap, ranks, counts, n, signal_offsets,
-        padded, V=v, WORDS=words, WORD_BITS=word_bits, **GRAY_RANK_LAUNCH)
+    and the pair counts of the offsets < signal_offsets per row block. n_at: UNREAD_ADDRESS, or
+    where the live rows' count is, n the most (kernels_src/row_count.py); so for the others."""
+    run(kernels.gray_rank_kernel, (-(-n // ROW_BLOCK),), nmap, ranks, counts, n, n_at,
+        signal_offsets, padded, V=v, WORDS=words, WORD_BITS=word_bits, **GRAY_RANK_LAUNCH)
 
 
 def launch_schedule(run, sorted_ranks: WORDS, order: INT64, nmap: INT32, map_t: INT32,
                     sorted_idx: INT32, counts: INT32, scan: SCAN, plan_out: INT32,
-                    readback: INT64, n: SIZE, layout: ScheduleLayout, v: int, words: int,
-                    word_bits: int, num_flags: int) -> None:
+                    readback: INT64, n: SIZE, n_at: ADDRESS, layout: ScheduleLayout, v: int,
+                    words: int, word_bits: int, num_flags: int) -> None:
     """The schedule of n sorted rows of the [n, v] map nmap, laid out as `layout` says, and the
     map in sorted order, map_t [v, n] (with block sizes: plan_views.sorted_map_t's view)."""
     run(kernels.schedule_offsets_kernel, (layout.tiles,), sorted_ranks, order, nmap, map_t,
-        sorted_idx, counts, scan, plan_out, readback, n, layout.entries, layout.kernels_at,
+        sorted_idx, counts, scan, plan_out, readback, n, n_at, layout.entries, layout.kernels_at,
         layout.segs_at,
         layout.chunks, layout.tiles, V=v, WORDS=words, WORD_BITS=word_bits, B0=layout.smallest,
         LEVELS=layout.levels, FLAGS=num_flags, **SCHEDULE_LAUNCH)
 
 
 def launch_pairs(run, nmap: INT32, scan: SCAN, pair_rows: INT32, room: SIZE, seg: INT32, n: SIZE,
-                 v: int, signal_offsets: int) -> None:
+                 n_at: ADDRESS, v: int, signal_offsets: int) -> None:
     """The pairs of nmap [n, v]'s offsets < signal_offsets: input rows, then output rows from
     `room` on, in pair_rows."""
-    run(kernels.pairs_kernel, (-(-n // ROW_BLOCK),), nmap, scan, pair_rows, room, seg, n, V=v,
-        SIGNAL=signal_offsets, **PAIRS_LAUNCH, V_CHUNK=pairs_v_chunk(signal_offsets))
+    run(kernels.pairs_kernel, (-(-n // ROW_BLOCK),), nmap, scan, pair_rows, room, seg, n, n_at,
+        V=v, SIGNAL=signal_offsets, **PAIRS_LAUNCH, V_CHUNK=pairs_v_chunk(signal_offsets))
 
 
 def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...],
@@ -189,43 +190,12 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         return (gather_map_torch(neighbor_map, block_sizes) if block_sizes else None,
                 valid_signal_torch(neighbor_map, signal_offsets) if signal_offsets else None,
                 readback[:num_flags].tolist() if num_flags else None)
-    device = neighbor_map.device
     nmap = neighbor_map.contiguous()
     if layout is None:
         layout = schedule_layout(m, v, block_sizes, signal_offsets)
-    levels, entries = layout.levels, layout.entries
-    # The plan's int32 outputs share one buffer (one allocation, not four).
-    plan_out = torch.empty(max(1, layout.out_size), dtype=torch.int32, device=device)
-    # Without pairs the counts are neither written nor read (no offset gets pairs, no pair
-    # tile runs): the kernels get plan_out in their place, one allocation fewer.
-    counts = (torch.empty(entries, dtype=torch.int32, device=device) if entries else plan_out)
-    word_bits, word_dtype, words = rank_words(v)
-    # (without block sizes nothing is sorted: the ranks are only computed with the pair counts)
-    sorter = (rank_sorter if levels else TorchSort)(m, words, word_dtype, device)
-    with sorter:  # a captured sort's keys and outputs are ours until the schedule is queued
-        ranks = sorter.keys
-        launch_gray_rank(launch, nmap, ranks, counts, m, signal_offsets, sorter.size, v, words,
-                         word_bits)
-        if levels:
-            sorted_ranks, order = sorter.sort()
-            sorted_idx = plan_out[:m]
-            # The map in sorted order, as the gather kernels read it, written by the schedule
-            # on the way (else one more launch at the map's first convolution).
-            map_t = torch.empty((v, m), dtype=torch.int32, device=device)
-        else:  # not read: no block sizes, no blocks
-            sorted_ranks = order = sorted_idx = map_t = counts
-        # int32 where no sum can pass it (then in place of the counts): each row has at most
-        # signal_offsets pairs.
-        scan = (counts if scan_dtype(m * signal_offsets) == torch.int32
-                else torch.empty(max(1, entries), dtype=torch.int64, device=device))
-        if readback is None:
-            readback = torch.full((num_flags + layout.readback_slots,), -1, dtype=torch.int64,
-                                  device=device)
-        launch_schedule(launch, sorted_ranks, order, nmap, map_t, sorted_idx, counts, scan,
-                        plan_out, readback, m, layout, v, words, word_bits, num_flags)
-    # Scratch is dropped once the last launch that reads it is queued (the allocator reuses it
-    # in stream order): before the host sync, its frees overlap the GPU's work.
-    del ranks, sorted_ranks, order, counts
+    levels = layout.levels
+    plan_out, map_t, scan, readback = schedule_launches(nmap, layout, signal_offsets, readback,
+                                                        num_flags)
     if signal_offsets:  # (made before the sync: after it, the pairs' launch waits on the host)
         seg = plan_out[layout.signal_seg_at:layout.signal_seg_at + signal_offsets + 1]
     pending = None
@@ -244,8 +214,9 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         # Input rows, then output rows from `room` on (16-byte aligned): one allocation.
         room = _aligned(pairs_total if pending is None
                         else deferred_pairs_bound(m, signal_offsets))
-        pair_rows = torch.empty(2 * room, dtype=torch.int32, device=device)
-        launch_pairs(launch, nmap, scan, pair_rows, room, seg, m, v, signal_offsets)
+        pair_rows = torch.empty(2 * room, dtype=torch.int32, device=nmap.device)
+        launch_pairs(launch, nmap, scan, pair_rows, room, seg, m, UNREAD_ADDRESS, v,
+                     signal_offsets)
         if pending is None:
             pairs = (pair_rows[:pairs_total], pair_rows[room:room + pairs_total], seg)
         else:
@@ -255,11 +226,71 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
         if lengths is not None:
             runs = {block: (start, length) for block, start, length
                     in zip(layout.seg_runs, layout.kernel_starts, lengths)}
-        else:  # each run's room ends where the next begins; its length is its seg's last entry
-            ends = (*layout.kernel_starts[1:], layout.segs_at)
-            runs = {block: (start, end - start, seg_at + seg_count - 1)
-                    for (block, (seg_at, seg_count)), start, end
-                    in zip(layout.seg_runs.items(), layout.kernel_starts, ends)}
-        gmap = with_sorted_map_t(GatherMap(nmap, sorted_idx, BlockRuns(plan_out, runs),
-                                           BlockRuns(plan_out, layout.seg_runs)), map_t)
+            gmap = with_sorted_map_t(GatherMap(nmap, plan_out[:m], BlockRuns(plan_out, runs),
+                                               BlockRuns(plan_out, layout.seg_runs)), map_t)
+        else:
+            gmap = deferred_gather_map(nmap, plan_out, map_t, layout, layout.seg_runs)
     return gmap, pairs, flag_values
+
+
+def schedule_launches(nmap: torch.Tensor, layout: ScheduleLayout, signal_offsets: int,
+                      readback: torch.Tensor | None, num_flags: int,
+                      rows_at: int = UNREAD_ADDRESS):
+    """(plan_out, map_t, scan, readback): the launches of an [m, v] map's schedule up to its
+    totals (gray ranks, sort, schedule; the pairs come after, by the scan), into new buffers
+    laid out as `layout` (the map's schedule_layout) says; map_t [v, m] (None without block
+    sizes); readback made where None is given. rows_at: UNREAD_ADDRESS, or the address of the
+    int32 count of nmap's rows that live (a build recorded in a CUDA graph: the layout is m's,
+    map_t's rows the live count's, planner/build_graphs.py)."""
+    m, v = nmap.shape
+    device = nmap.device
+    levels, entries = layout.levels, layout.entries
+    # The plan's int32 outputs share one buffer (one allocation, not four).
+    plan_out = torch.empty(max(1, layout.out_size), dtype=torch.int32, device=device)
+    # Without pairs the counts are neither written nor read (no offset gets pairs, no pair
+    # tile runs): the kernels get plan_out in their place, one allocation fewer.
+    counts = (torch.empty(entries, dtype=torch.int32, device=device) if entries else plan_out)
+    word_bits, word_dtype, words = rank_words(v)
+    # (without block sizes nothing is sorted: the ranks are only computed with the pair counts)
+    sorter = (rank_sorter if levels else TorchSort)(m, words, word_dtype, device)
+    map_t = None
+    with sorter:  # a captured sort's keys and outputs are ours until the schedule is queued
+        ranks = sorter.keys
+        launch_gray_rank(launch, nmap, ranks, counts, m, rows_at, signal_offsets, sorter.size, v,
+                         words, word_bits)
+        if levels:
+            sorted_ranks, order = sorter.sort()
+            sorted_idx = plan_out[:m]
+            # The map in sorted order, as the gather kernels read it, written by the schedule
+            # on the way (else one more launch at the map's first convolution).
+            map_t = torch.empty((v, m), dtype=torch.int32, device=device)
+        else:  # not read: no block sizes, no blocks
+            sorted_ranks = order = sorted_idx = counts
+        # int32 where no sum can pass it (then in place of the counts): each row has at most
+        # signal_offsets pairs.
+        scan = (counts if scan_dtype(m * signal_offsets) == torch.int32
+                else torch.empty(max(1, entries), dtype=torch.int64, device=device))
+        if readback is None:
+            readback = torch.full((num_flags + layout.readback_slots,), -1, dtype=torch.int64,
+                                  device=device)
+        launch_schedule(launch, sorted_ranks, order, nmap, counts if map_t is None else map_t,
+                        sorted_idx, counts, scan, plan_out, readback, m, rows_at, layout, v,
+                        words, word_bits, num_flags)
+    # Scratch is dropped once the last launch that reads it is queued (the allocator reuses it
+    # in stream order): before the host sync, its frees overlap the GPU's work.
+    del ranks, sorted_ranks, order, counts
+    return plan_out, map_t, scan, readback
+
+
+def deferred_gather_map(nmap: torch.Tensor, plan_out: torch.Tensor, map_t: torch.Tensor,
+                        layout: ScheduleLayout, seg_runs: dict) -> GatherMap:
+    """The GatherMap of a schedule whose valid_kernel lengths stay on the device: each run's
+    room ends where the next begins, its length is its seg's last entry. seg_runs: block size ->
+    (start, blocks + 1) of its seg (layout.seg_runs, but for a build recorded for more rows than
+    live: the live rows' blocks at the layout's places); sorted_idx: plan_out's first rows."""
+    ends = (*layout.kernel_starts[1:], layout.segs_at)
+    runs = {block: (start, end - start, seg_at + seg_count - 1)
+            for (block, (seg_at, seg_count)), start, end
+            in zip(seg_runs.items(), layout.kernel_starts, ends)}
+    return with_sorted_map_t(GatherMap(nmap, plan_out[:nmap.shape[0]], BlockRuns(plan_out, runs),
+                                       BlockRuns(plan_out, seg_runs)), map_t)

@@ -1,0 +1,180 @@
+"""Submanifold training builds replayed from CUDA graphs: a build's dozen host operations in one.
+
+A fresh training step is bound by the host: a submanifold build (table fill, hash insert and
+lookups, Gray ranks, sort, schedule, pairs, their allocations) costs some 400 us of host time
+on a GPU host, most of it Python and launch overhead, not waiting (scripts/results/
+host_costs.md). Recorded once in a CUDA graph, the same launches replay with one call.
+
+A graph replays fixed launches, so each serves a bucket of row counts (rank_sort.bucket: at
+most 1/4 more rows than live) for one grid, batch size and geometry: its kernels are launched
+for the bucket's rows and read the live count from device memory (kernels_src/row_count.py),
+written before each replay with the coordinates. Everything sized by the rows is laid out for
+the bucket (the schedule's places, the pairs' room); what the plan's readers need in the live
+rows' shape is written that way (the map [n, V], map_t [V, n], each block size's segs for the
+live blocks), so the plan equals an eager build's in everything its readers see. Its buffers
+are the graph's own, so after each replay they are copied out (device copies) before the next
+replay can touch them: the plan owns its memory as an eager build's does.
+
+Like rank_sort's sorts, a bucket's graph is recorded the second time a build asks for it (a
+first-use pass, then the capture: a few milliseconds), within a budget of rows for all graphs
+of a device (each row holds about 400 bytes of graph memory); builds past it, or of row counts
+outside [MIN_ROWS, MAX_ROWS], or while a graph of the caller's is being captured, build
+eagerly. FLEXPLAN_BUILD_GRAPHS=0 turns them off. Only builds that read nothing back qualify:
+training, coordinates checked before, pairs deferred (their count read at the first backward),
+one Gray-rank word (at most 63 offsets).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import torch
+
+from ..geometry import ConvGeometry
+from ..kernel_configs import PLAN_BLOCK_SIZES
+from ..launcher import launch
+from ..plan import PendingCount
+from .hashmap import submanifold_neighbor_map_triton
+from .rank_sort import MAX_ROWS, MIN_ROWS, bucket
+from .segments_torch import rank_words
+from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, deferred_pairs_bound,
+                              launch_pairs, schedule_launches, schedule_layout)
+
+BUILD_GRAPHS_ENV = "FLEXPLAN_BUILD_GRAPHS"
+ROWS_BUDGET = 1 << 20  # bucket rows of all of a device's build graphs together (about 400 MB)
+
+_builds: dict = {}  # key -> CapturedBuild, or None where the capture failed
+_requested: set = set()  # keys asked for once, not captured yet
+_lock = threading.Lock()
+
+
+# False: every build eager, as before session 47 (A/B runs: scripts/bench_precision.py).
+CAPTURE_BUILDS = True
+
+
+def enabled() -> bool:
+    return CAPTURE_BUILDS and os.environ.get(BUILD_GRAPHS_ENV, "1") != "0"
+
+
+class CapturedBuild:
+    """The launches of a submanifold training build of `cap` rows at most, recorded in a CUDA
+    graph on the current stream; build() replays them for coordinates of up to cap rows.
+    capture False: build() launches them (the same launches, eagerly: the CPU tests' way)."""
+
+    def __init__(self, cap: int, shape: tuple[int, int, int], batch_size: int,
+                 geometry: ConvGeometry, signal_offsets: int, device: torch.device,
+                 capture: bool = True):
+        self.cap, self.volume, self.signal_offsets = cap, geometry.volume, signal_offsets
+        self.layout = schedule_layout(cap, geometry.volume, PLAN_BLOCK_SIZES, signal_offsets)
+        self.room = _aligned(deferred_pairs_bound(cap, signal_offsets))
+        self.coords = torch.zeros((cap, 4), dtype=torch.int32, device=device)
+        self.rows = torch.zeros(1, dtype=torch.int32, device=device)  # the live count
+        self.lock = threading.Lock()
+        self.args = (shape, batch_size, geometry)
+        self.graph = self.outputs = None
+        if capture:
+            self._capture(device)
+
+    def _capture(self, device: torch.device) -> None:
+        self.graph, args = torch.cuda.CUDAGraph(), self.args
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self._launches(*args)  # first-use work (binaries, CUB, allocator): not captured
+            # thread_local: other threads' CUDA calls during the capture do not break it
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.outputs = self._launches(*args)
+            finally:
+                self.graph.capture_end()
+        current.wait_stream(side)
+
+    def _launches(self, shape, batch_size, geometry):
+        """The build's launches for the live rows of self.coords: (map [cap, V], plan_out,
+        map_t, readback, pair rows), as build_plan's Triton path launches them."""
+        rows_at = self.rows.data_ptr()
+        nmap, readback = submanifold_neighbor_map_triton(
+            self.coords, shape, batch_size, geometry, spare_slots=self.layout.readback_slots,
+            flags=False, rows_at=rows_at)
+        plan_out, map_t, scan, readback = schedule_launches(nmap, self.layout, self.signal_offsets,
+                                                            readback, 0, rows_at)
+        at = self.layout.signal_seg_at
+        pair_rows = torch.empty(2 * self.room, dtype=torch.int32, device=nmap.device)
+        launch_pairs(launch, nmap, scan, pair_rows, self.room,
+                     plan_out[at:at + self.signal_offsets + 1], self.cap, rows_at, self.volume,
+                     self.signal_offsets)
+        return nmap, plan_out, map_t, readback, pair_rows
+
+    def build(self, coords: torch.Tensor):
+        """(fwd GatherMap, valid_signal's four entries with the pairs' PendingCount) of coords
+        [n <= cap, 4], checked before: what plan_schedule returns for a deferred build."""
+        n, v, layout = coords.shape[0], self.volume, self.layout
+        with self.lock:  # the graph's buffers are ours from the copy in to the copies out
+            self.coords[:n].copy_(coords)
+            self.rows.fill_(n)
+            if self.graph is None:
+                outputs = self._launches(*self.args)
+            else:
+                self.graph.replay()
+                outputs = self.outputs
+            nmap, plan_out, map_t, readback, pair_rows = outputs
+            nmap = nmap[:n].clone()
+            plan_out = plan_out.clone()
+            map_t = map_t.view(-1)[:v * n].clone().view(v, n)
+            pair_rows = pair_rows.clone()
+            pending = PendingCount(readback[layout.levels:layout.levels + 1])
+        # each block size's segs at the layout's places, for the live rows' blocks
+        seg_runs = {block: (at, -(-n // block) + 1) for block, (at, _) in layout.seg_runs.items()}
+        at = layout.signal_seg_at
+        signal = (pair_rows[:self.room], pair_rows[self.room:],
+                  plan_out[at:at + self.signal_offsets + 1], pending)
+        return deferred_gather_map(nmap, plan_out, map_t, layout, seg_runs), signal
+
+
+def captured_build(n: int, shape: tuple[int, int, int], batch_size: int, geometry: ConvGeometry,
+                   signal_offsets: int, device: torch.device, pairs_max: int
+                   ) -> CapturedBuild | None:
+    """The captured build for a deferred submanifold training build of n rows on the current
+    stream of `device`, or None where the caller builds eagerly (see the module's docstring).
+    pairs_max: the most pairs a deferred build sizes its room for (the bucket's bound)."""
+    if not MIN_ROWS <= n <= MAX_ROWS or device.type != "cuda" or not enabled() or (
+            rank_words(geometry.volume)[2] != 1 or torch.cuda.is_current_stream_capturing()):
+        return None
+    cap = bucket(n)
+    # (the schedule's chunk tiles divide the bucket: those of 4096+ rows do)
+    if cap % SCHEDULE_LAUNCH["ROWS"] or deferred_pairs_bound(cap, signal_offsets) > pairs_max:
+        return None
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), cap, shape,
+           batch_size, geometry, signal_offsets)
+    found = _builds.get(key)
+    if found is not None:
+        return found
+    with _lock:
+        if key in _builds:
+            return _builds[key]
+        held = sum(kept.cap for known, kept in _builds.items()
+                   if kept is not None and known[0] == device.index)
+        if held + cap > ROWS_BUDGET:
+            return None
+        if key not in _requested:  # the first request: remember it, build eagerly
+            if len(_requested) >= 1024:  # (streams and shapes come and go)
+                _requested.clear()
+            _requested.add(key)
+            return None
+        _requested.discard(key)
+        try:
+            found = CapturedBuild(cap, shape, batch_size, geometry, signal_offsets, device)
+        except RuntimeError as exc:  # keep building, eagerly
+            warnings.warn(f"flexplan: capturing a plan build failed ({exc}); building "
+                          f"{cap}-row buckets of this geometry eagerly", RuntimeWarning)
+        _builds[key] = found
+        return found
+
+
+def release() -> None:
+    """Drop every captured build (their graphs and buffers) and the requests counted."""
+    with _lock:
+        _builds.clear()
+        _requested.clear()

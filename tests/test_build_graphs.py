@@ -1,0 +1,113 @@
+"""Submanifold training builds replayed from CUDA graphs (flexplan/planner/build_graphs.py): the
+kernels launched for a bucket's rows that read the live count from device memory make the same
+plan as an eager build of the live rows, build after build on the same buffers (here eagerly,
+capture=False, as the interpreter runs them; the capture itself is GPU-tested)."""
+import pytest
+import torch
+
+from flexplan import ConvGeometry, build_plan
+from flexplan import planner
+from flexplan.plan import mirrored_signal_offsets
+from flexplan.plan_views import sorted_map_t
+from flexplan.planner import build_graphs
+from flexplan.planner.segments_triton import deferred_pairs_bound
+from flexplan.workloads import random_coords
+
+SHAPE, BATCH = (14, 12, 11), 3
+
+
+def _assert_same(a, b):
+    ta, tb = a.tensors(), b.tensors()
+    assert ta.keys() == tb.keys()
+    for name in ta:
+        assert torch.equal(ta[name].cpu(), tb[name].cpu()), name
+
+
+@pytest.mark.parametrize("kernel", [3, (3, 3, 1)])
+def test_replayed_builds_equal_eager_builds(device, kernel):
+    geometry = ConvGeometry.make(kernel)
+    signal = mirrored_signal_offsets(geometry.volume)
+    cap = 1024
+    recorded = build_graphs.CapturedBuild(cap, SHAPE, BATCH, geometry, signal,
+                                          torch.device(device), capture=False)
+    # larger, then smaller counts: rows a previous build left in the buffers must not leak in
+    for seed, n in enumerate((1000, 300, cap, 513, 40)):
+        coords = random_coords(n, SHAPE, BATCH, generator=torch.Generator().manual_seed(seed),
+                               device=device)
+        fwd, signal_parts = recorded.build(coords)
+        plan = planner._submanifold_plan(coords, SHAPE, BATCH, geometry, fwd, signal_parts, True)
+        exact = build_plan(coords, SHAPE, BATCH, geometry, backend="torch")
+        assert plan.pairs_pending is not None
+        assert plan.valid_signal_i.numel() >= deferred_pairs_bound(cap, signal)  # the bucket's room
+        assert plan.num_pairs == exact.num_pairs
+        _assert_same(plan, exact)
+        assert torch.equal(sorted_map_t(plan.fwd).cpu(), sorted_map_t(exact.fwd).cpu())
+        eager = build_plan(coords, SHAPE, BATCH, geometry, backend="triton", check=False)
+        for block in eager.fwd.valid_kernel:  # the places a conv reads without a sync
+            assert torch.equal(plan.fwd.valid_kernel[block], eager.fwd.valid_kernel[block])
+            assert torch.equal(plan.fwd.valid_kernel_seg[block], eager.fwd.valid_kernel_seg[block])
+
+
+def test_captured_build_is_asked_for_twice_within_its_bounds(monkeypatch):
+    """Who gets a graph: CUDA only, rows within the sort's bounds, one rank word, the bound's
+    room within the caller's limit, the second request of a key (the first builds eagerly)."""
+    geometry = ConvGeometry.make(3)
+    cuda = torch.device("cuda", 0)
+    made = []
+    monkeypatch.setattr(build_graphs, "CapturedBuild", lambda *a: made.append(a) or "graph")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    build_graphs.release()
+    ask = lambda n, **kw: build_graphs.captured_build(  # noqa: E731
+        n, SHAPE, BATCH, kw.get("geometry", geometry), 14, kw.get("device", cuda),
+        kw.get("pairs_max", 1 << 22))
+    assert ask(5000, device=torch.device("cpu")) is None
+    assert ask(100) is None  # below MIN_ROWS
+    assert ask(5000, pairs_max=1000) is None
+    assert ask(5000, geometry=ConvGeometry.make(5)) is None  # 125 offsets: two rank words
+    assert ask(5000) is None and not made  # first request
+    assert ask(5100) == "graph" and len(made) == 1  # same bucket, second request
+    assert ask(5050) == "graph" and len(made) == 1  # kept
+    monkeypatch.setenv(build_graphs.BUILD_GRAPHS_ENV, "0")
+    assert ask(9000) is None and ask(9000) is None and len(made) == 1
+    build_graphs.release()
+
+
+def test_row_count_constant_is_the_unread_address():
+    from flexplan.kernels_src.row_count import NO_ROWS_AT
+    from flexplan.launch_spec import UNREAD_ADDRESS
+
+    assert NO_ROWS_AT.value == UNREAD_ADDRESS
+
+
+@pytest.mark.gpu
+def test_captured_builds_on_the_gpu():
+    """Fresh coordinates in two buckets, each built several times through build_plan: the
+    second build of a bucket is captured, later ones replay; every plan equals the torch
+    planner's, also after later replays (the plan owns its buffers), and a conv's forward and
+    gradients over a replayed plan equal those over an eager one."""
+    from flexplan.ops.conv import sparse_conv
+
+    build_graphs.release()
+    geometry, shape, batch = ConvGeometry.make(3), (120, 110, 40), 2
+    plans = []
+    for seed, n in enumerate((20000, 19000, 21000, 9000, 8800, 9100, 19500)):
+        coords = random_coords(n, shape, batch, generator=torch.Generator().manual_seed(seed),
+                               device="cuda")
+        plans.append((coords, build_plan(coords, shape, batch, geometry, check=False)))
+    assert len([b for b in build_graphs._builds.values() if b is not None]) == 2
+    for coords, plan in plans:
+        exact = build_plan(coords.cpu(), shape, batch, geometry, backend="torch")
+        _assert_same(plan, exact)
+        assert torch.equal(sorted_map_t(plan.fwd).cpu(), sorted_map_t(exact.fwd).cpu())
+    coords, replayed = plans[-1]
+    build_graphs.release()
+    eager = build_plan(coords, shape, batch, geometry, check=False)
+    x = torch.randn(coords.shape[0], 16, device="cuda", dtype=torch.float16, requires_grad=True)
+    w = torch.randn(32, 27, 16, device="cuda", dtype=torch.float16, requires_grad=True)
+    grads = []
+    for plan in (replayed, eager):
+        out = sparse_conv(x, plan, w)
+        grads.append((out, *torch.autograd.grad(out.float().square().sum(), (x, w))))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

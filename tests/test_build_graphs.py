@@ -104,7 +104,7 @@ def test_captured_builds_on_the_gpu():
     build_graphs.release()
     eager = build_plan(coords, shape, batch, geometry, check=False)
     x = torch.randn(coords.shape[0], 16, device="cuda", dtype=torch.float16, requires_grad=True)
-    w = torch.randn(32, 27, 16, device="cuda", dtype=torch.float16, requires_grad=True)
+    w = torch.randn(32, 3, 3, 3, 16, device="cuda", dtype=torch.float16, requires_grad=True)
     grads = []
     for plan in (replayed, eager):
         out = sparse_conv(x, plan, w)

@@ -1,0 +1,88 @@
+"""Host time of a submanifold training build (3x3x3) on fresh LiDAR batches: eager against
+replayed from a CUDA graph (flexplan/planner/build_graphs.py), one build per batch, the GPU
+drained before each (host us per build_plan call, medians), and the number of buckets seen.
+
+Usage (GPU): python3 scripts/probe_build_graphs.py [--batches 40] [--warmup 10]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from flexplan import ConvGeometry, build_plan
+from flexplan.planner import build_graphs
+from flexplan.planner.rank_sort import bucket
+from flexplan.workloads import lidar_batch, lidar_scans
+
+
+def host_us(batches, geometry, stride: int) -> list[float]:
+    times = []
+    for batch in batches:
+        coords = batch.indices[::stride].contiguous() if stride > 1 else batch.indices
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        build_plan(coords, batch.spatial_shape, batch.batch_size, geometry, check=False)
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=10)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    scans = lidar_scans(8, device=device)
+    batches = [lidar_batch(step, scans=scans, device=device) for step in range(args.batches)]
+    geometry = ConvGeometry.make(3)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for stride in (1, 4):  # full batches, and a coarser level's row counts
+        rows = [b.indices[::stride].shape[0] for b in batches]
+        print(f"rows {min(rows)}-{max(rows)}, buckets {sorted({bucket(r) for r in rows})}")
+        for label, on in (("eager", False), ("graph", True), ("eager", False), ("graph", True)):
+            build_graphs.CAPTURE_BUILDS = on
+            host_us(batches[:args.warmup], geometry, stride)  # (captures the buckets)
+            times = host_us(batches[args.warmup:], geometry, stride)
+            print(f"  {label}: {statistics.median(times):.0f} us per build "
+                  f"(p25 {statistics.quantiles(times, n=4)[0]:.0f}, "
+                  f"p75 {statistics.quantiles(times, n=4)[2]:.0f})")
+        print("  graphs kept:", sum(1 for b in build_graphs._builds.values() if b is not None))
+        parts(batches[args.warmup:], stride)
+
+
+def parts(batches, stride: int) -> None:
+    """A replayed build's pieces, host us (medians): copy in, replay, copies out, pending."""
+    found = [b for b in build_graphs._builds.values() if b is not None]
+    marks = []
+    for batch in batches:
+        coords = batch.indices[::stride].contiguous() if stride > 1 else batch.indices
+        n = coords.shape[0]
+        kept = [b for b in found if b.cap >= n and b.cap - b.cap // 4 <= n]
+        if not kept or kept[0].graph is None:
+            continue
+        b = kept[0]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        b.coords[:n].copy_(coords)
+        b.rows.fill_(n)
+        t1 = time.perf_counter()
+        b.graph.replay()
+        t2 = time.perf_counter()
+        nmap, plan_out, map_t, readback, pair_rows = b.outputs
+        nmap[:n].clone(), plan_out.clone(), map_t.view(-1)[:27 * n].clone(), pair_rows.clone()
+        t3 = time.perf_counter()
+        build_graphs.PendingCount(readback[1:2])
+        t4 = time.perf_counter()
+        marks.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
+    if marks:
+        names = ("copy in + fill", "replay", "4 clones", "PendingCount")
+        print("  pieces:", ", ".join(f"{name} {statistics.median(m[i] for m in marks) * 1e6:.0f} us"
+                                    for i, name in enumerate(names)))
+
+
+if __name__ == "__main__":
+    main()

@@ -68,6 +68,11 @@ class CapturedBuild:
         self.cap, self.volume, self.signal_offsets = cap, geometry.volume, signal_offsets
         self.layout = schedule_layout(cap, geometry.volume, PLAN_BLOCK_SIZES, signal_offsets)
         self.room = _aligned(deferred_pairs_bound(cap, signal_offsets))
+        # the arena's regions (int32s, 16-byte aligned): plan_out, map, map_t, pair rows
+        self.places = (0, _aligned(self.layout.out_size))
+        self.places += (self.places[1] + cap * geometry.volume,)
+        self.places += (self.places[2] + cap * geometry.volume,)
+        self.places += (self.places[3] + 2 * self.room,)
         self.coords = torch.zeros((cap, 4), dtype=torch.int32, device=device)
         self.rows = torch.zeros(1, dtype=torch.int32, device=device)  # the live count
         self.lock = threading.Lock()
@@ -92,20 +97,25 @@ class CapturedBuild:
         current.wait_stream(side)
 
     def _launches(self, shape, batch_size, geometry):
-        """The build's launches for the live rows of self.coords: (map [cap, V], plan_out,
-        map_t, readback, pair rows), as build_plan's Triton path launches them."""
-        rows_at = self.rows.data_ptr()
+        """The build's launches for the live rows of self.coords, as build_plan's Triton path
+        launches them: (arena, readback). The arena holds what the plan keeps, one copy out:
+        plan_out, the map [cap, V], map_t [V, cap] (its first V * rows entries: [V, rows]),
+        the pair rows (self.places)."""
+        rows_at, cap, v, places = self.rows.data_ptr(), self.cap, self.volume, self.places
+        arena = torch.empty(places[-1], dtype=torch.int32, device=self.coords.device)
+        nmap = arena[places[1]:places[2]].view(cap, v)
+        plan_out = arena[:self.layout.out_size]
         nmap, readback = submanifold_neighbor_map_triton(
             self.coords, shape, batch_size, geometry, spare_slots=self.layout.readback_slots,
-            flags=False, rows_at=rows_at)
-        plan_out, map_t, scan, readback = schedule_launches(nmap, self.layout, self.signal_offsets,
-                                                            readback, 0, rows_at)
+            flags=False, rows_at=rows_at, out=nmap)
+        _, _, scan, readback = schedule_launches(nmap, self.layout, self.signal_offsets, readback,
+                                                 0, rows_at, plan_out,
+                                                 arena[places[2]:places[3]].view(v, cap))
         at = self.layout.signal_seg_at
-        pair_rows = torch.empty(2 * self.room, dtype=torch.int32, device=nmap.device)
-        launch_pairs(launch, nmap, scan, pair_rows, self.room,
-                     plan_out[at:at + self.signal_offsets + 1], self.cap, rows_at, self.volume,
+        launch_pairs(launch, nmap, scan, arena[places[3]:], self.room,
+                     plan_out[at:at + self.signal_offsets + 1], cap, rows_at, v,
                      self.signal_offsets)
-        return nmap, plan_out, map_t, readback, pair_rows
+        return arena, readback
 
     def build(self, coords: torch.Tensor):
         """(fwd GatherMap, valid_signal's four entries with the pairs' PendingCount) of coords
@@ -119,16 +129,17 @@ class CapturedBuild:
             else:
                 self.graph.replay()
                 outputs = self.outputs
-            nmap, plan_out, map_t, readback, pair_rows = outputs
-            nmap = nmap[:n].clone()
-            plan_out = plan_out.clone()
-            map_t = map_t.view(-1)[:v * n].clone().view(v, n)
-            pair_rows = pair_rows.clone()
+            arena, readback = outputs
+            arena = arena.clone()  # (one copy: the plan's views below share it)
             pending = PendingCount(readback[layout.levels:layout.levels + 1])
+        places, room = self.places, self.room
+        plan_out = arena[:layout.out_size]
+        nmap = arena[places[1]:places[1] + n * v].view(n, v)
+        map_t = arena[places[2]:places[2] + v * n].view(v, n)
         # each block size's segs at the layout's places, for the live rows' blocks
         seg_runs = {block: (at, -(-n // block) + 1) for block, (at, _) in layout.seg_runs.items()}
         at = layout.signal_seg_at
-        signal = (pair_rows[:self.room], pair_rows[self.room:],
+        signal = (arena[places[3]:places[3] + room], arena[places[3] + room:places[4]],
                   plan_out[at:at + self.signal_offsets + 1], pending)
         return deferred_gather_map(nmap, plan_out, map_t, layout, seg_runs), signal
 

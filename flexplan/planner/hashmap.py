@@ -69,7 +69,8 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
                                     batch_size: int, geometry: ConvGeometry, spare_slots: int = 0,
                                     flags: bool = True, lanes: bool = False,
                                     map_t: torch.Tensor | None = None,
-                                    rows_at: int = UNREAD_ADDRESS
+                                    rows_at: int = UNREAD_ADDRESS,
+                                    out: torch.Tensor | None = None
                                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(nmap, problems). nmap: int32 [N, V], entry (i, v) is the row at coords[i] + offset v, or
     MISSING. problems: device int64 [PROBLEM_SLOTS + spare_slots]: the first row outside the
@@ -83,7 +84,8 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     gather kernels' layout of an unscheduled map). rows_at: UNREAD_ADDRESS, or the address of
     an int32 count of the rows of coords that live (a build recorded in a CUDA graph for at most
     coords' rows: planner/build_graphs.py); the map's rows past it stay MISSING, the problems
-    are undefined. No host sync."""
+    are undefined. out: an int32 [N, V] tensor to write nmap into (else a new one). No host
+    sync."""
     if lanes and not (flags and spare_slots >= 2):
         raise ValueError("identity lanes need the problem slots and two spare slots")
     n, volume = coords.shape[0], geometry.volume
@@ -95,7 +97,7 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     keys = torch.full((capacity + PROBLEM_SLOTS + spare_slots,), EMPTY_KEY, dtype=torch.int64,
                       device=device)
     problems = keys[capacity if flags else capacity + PROBLEM_SLOTS:]
-    nmap = torch.empty((n, volume), dtype=torch.int32, device=device)
+    nmap = torch.empty((n, volume), dtype=torch.int32, device=device) if out is None else out
     # 32-bit keys share their int64 slot with the row: no value table (the kernels never read
     # this one then; nmap stands in, saving an allocation per build).
     values = torch.empty(capacity, dtype=torch.int32, device=device) if key_64 else nmap

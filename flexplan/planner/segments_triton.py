@@ -235,25 +235,27 @@ def plan_schedule_triton(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...
 
 def schedule_launches(nmap: torch.Tensor, layout: ScheduleLayout, signal_offsets: int,
                       readback: torch.Tensor | None, num_flags: int,
-                      rows_at: int = UNREAD_ADDRESS):
+                      rows_at: int = UNREAD_ADDRESS, plan_out: torch.Tensor | None = None,
+                      map_t: torch.Tensor | None = None):
     """(plan_out, map_t, scan, readback): the launches of an [m, v] map's schedule up to its
     totals (gray ranks, sort, schedule; the pairs come after, by the scan), into new buffers
     laid out as `layout` (the map's schedule_layout) says; map_t [v, m] (None without block
     sizes); readback made where None is given. rows_at: UNREAD_ADDRESS, or the address of the
     int32 count of nmap's rows that live (a build recorded in a CUDA graph: the layout is m's,
-    map_t's rows the live count's, planner/build_graphs.py)."""
+    map_t's rows the live count's, planner/build_graphs.py). plan_out, map_t: int32 tensors
+    of their sizes to write them into (else new ones; map_t only with block sizes)."""
     m, v = nmap.shape
     device = nmap.device
     levels, entries = layout.levels, layout.entries
     # The plan's int32 outputs share one buffer (one allocation, not four).
-    plan_out = torch.empty(max(1, layout.out_size), dtype=torch.int32, device=device)
+    if plan_out is None:
+        plan_out = torch.empty(max(1, layout.out_size), dtype=torch.int32, device=device)
     # Without pairs the counts are neither written nor read (no offset gets pairs, no pair
     # tile runs): the kernels get plan_out in their place, one allocation fewer.
     counts = (torch.empty(entries, dtype=torch.int32, device=device) if entries else plan_out)
     word_bits, word_dtype, words = rank_words(v)
     # (without block sizes nothing is sorted: the ranks are only computed with the pair counts)
     sorter = (rank_sorter if levels else TorchSort)(m, words, word_dtype, device)
-    map_t = None
     with sorter:  # a captured sort's keys and outputs are ours until the schedule is queued
         ranks = sorter.keys
         launch_gray_rank(launch, nmap, ranks, counts, m, rows_at, signal_offsets, sorter.size, v,
@@ -263,9 +265,11 @@ def schedule_launches(nmap: torch.Tensor, layout: ScheduleLayout, signal_offsets
             sorted_idx = plan_out[:m]
             # The map in sorted order, as the gather kernels read it, written by the schedule
             # on the way (else one more launch at the map's first convolution).
-            map_t = torch.empty((v, m), dtype=torch.int32, device=device)
+            if map_t is None:
+                map_t = torch.empty((v, m), dtype=torch.int32, device=device)
         else:  # not read: no block sizes, no blocks
             sorted_ranks = order = sorted_idx = counts
+            map_t = None
         # int32 where no sum can pass it (then in place of the counts): each row has at most
         # signal_offsets pairs.
         scan = (counts if scan_dtype(m * signal_offsets) == torch.int32

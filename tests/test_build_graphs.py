@@ -73,6 +73,23 @@ def test_captured_build_is_asked_for_twice_within_its_bounds(monkeypatch):
     build_graphs.release()
 
 
+def test_a_failed_capture_builds_eagerly_from_then_on(monkeypatch):
+    def fail(*args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(build_graphs, "CapturedBuild", fail)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    build_graphs.release()
+    ask = lambda: build_graphs.captured_build(  # noqa: E731
+        5000, SHAPE, BATCH, ConvGeometry.make(3), 14, torch.device("cuda", 0), 1 << 22)
+    assert ask() is None
+    with pytest.warns(RuntimeWarning, match="capturing a plan build failed"):
+        assert ask() is None
+    assert ask() is None  # remembered: no second attempt, no second warning
+    build_graphs.release()
+
+
 def test_row_count_constant_is_the_unread_address():
     from flexplan.kernels_src.row_count import NO_ROWS_AT
     from flexplan.launch_spec import UNREAD_ADDRESS

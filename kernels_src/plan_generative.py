@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .plan_segments import _exclusive_prefix
+from .row_count import live_rows
 
 MISSING = tl.constexpr(-1)
 
@@ -35,8 +36,8 @@ def _output_axis(c, S: tl.constexpr, P: tl.constexpr, K: tl.constexpr, D: tl.con
 # and candidate counts, the grid extents (a job may pass each batch's own) and the caller's
 # coords (maybe a view; read one value at a time). The constexprs and the alignment of the
 # kernels' own allocations are.
-@triton.jit(do_not_specialize=["coords", "n", "padded", "size_x", "size_y", "size_z"])
-def generative_candidates_kernel(coords, keys, taps, n, padded, size_x, size_y, size_z,
+@triton.jit(do_not_specialize=["coords", "n", "n_at", "padded", "size_x", "size_y", "size_z"])
+def generative_candidates_kernel(coords, keys, taps, n, n_at, padded, size_x, size_y, size_z,
                                  KX: tl.constexpr, KY: tl.constexpr, KZ: tl.constexpr,
                                  SX: tl.constexpr, SY: tl.constexpr, SZ: tl.constexpr,
                                  PX: tl.constexpr, PY: tl.constexpr, PZ: tl.constexpr,
@@ -47,7 +48,9 @@ def generative_candidates_kernel(coords, keys, taps, n, padded, size_x, size_y, 
     ascending), SENT in the slots past its last, and in keys [n * T, padded) (padded <= 2 n T:
     the padding of a sort of a fixed size, flexplan/planner/rank_sort.py). Keys pack
     (b, x, y, z) row-major over the output grid (planner/keys.py), in keys' dtype. Grid:
-    blocks of BLOCK rows."""
+    blocks of BLOCK rows. n_at: kernels_src/row_count.py (the rows past the live count are
+    padding: their slots hold SENT)."""
+    n = live_rows(n, n_at)
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = rows < n
@@ -140,13 +143,15 @@ def generative_scatter_kernel(sorted_keys, order, rank, taps, bwd, fwd, out_coor
         tl.store(out_coords + out * 4 + 3, oz.to(tl.int32), mask=start)
 
 
-@triton.jit(do_not_specialize=["entries", "num_in"])
-def transpose_map_kernel(fwd, bwd, bwd_t, entries, num_in, V: tl.constexpr,
+@triton.jit(do_not_specialize=["entries", "num_in", "n_at"])
+def transpose_map_kernel(fwd, bwd, bwd_t, entries, num_in, n_at, V: tl.constexpr,
                          MISSING: tl.constexpr, MAP_T: tl.constexpr, BLOCK: tl.constexpr):
     """The bwd map of a fwd map: for each entry fwd[o, v] = i (not MISSING), bwd[i, v] = o
     (entries = rows of fwd * V; bwd starts filled with MISSING); MAP_T: also bwd_t [V, num_in]
     (the same, transposed: the gather kernels' layout; started likewise). An inference plan's
-    fwd map holds each (i, v) at most once, so no two entries write one place."""
+    fwd map holds each (i, v) at most once, so no two entries write one place. n_at
+    (kernels_src/row_count.py): bwd_t's rows are the live count's."""
+    num_in = live_rows(num_in, n_at)
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = j < entries
     i = tl.load(fwd + j, mask=live, other=MISSING)

@@ -1,6 +1,7 @@
-"""Host time of a submanifold training build (3x3x3) on fresh LiDAR batches: eager against
-replayed from a CUDA graph (flexplan/planner/build_graphs.py), one build per batch, the GPU
-drained before each (host us per build_plan call, medians), and the number of buckets seen.
+"""Host time of a training build on fresh LiDAR batches, submanifold 3x3x3 and strided 3x3x3
+(stride 2, padding 1): eager against replayed from CUDA graphs (flexplan/planner/
+build_graphs.py, generative_graphs.py), one build per batch, the GPU drained before each
+(host us per build_plan call, medians), and the number of buckets seen.
 
 Usage (GPU): python3 scripts/probe_build_graphs.py [--batches 40] [--warmup 10]
 """
@@ -38,11 +39,13 @@ def main() -> None:
     device = torch.device("cuda")
     scans = lidar_scans(8, device=device)
     batches = [lidar_batch(step, scans=scans, device=device) for step in range(args.batches)]
-    geometry = ConvGeometry.make(3)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    for stride in (1, 4):  # full batches, and a coarser level's row counts
+    for geometry, stride in ((ConvGeometry.make(3), 1), (ConvGeometry.make(3), 4),
+                             (ConvGeometry.make(3, stride=2, padding=1, submanifold=False), 1)):
+        # full batches, a coarser level's row counts, a strided build
         rows = [b.indices[::stride].shape[0] for b in batches]
-        print(f"rows {min(rows)}-{max(rows)}, buckets {sorted({bucket(r) for r in rows})}")
+        print(f"{'submanifold' if geometry.submanifold else 'strided'}: rows "
+              f"{min(rows)}-{max(rows)}, buckets {sorted({bucket(r) for r in rows})}")
         for label, on in (("eager", False), ("graph", True), ("eager", False), ("graph", True)):
             build_graphs.CAPTURE_BUILDS = on
             host_us(batches[:args.warmup], geometry, stride)  # (captures the buckets)
@@ -51,12 +54,14 @@ def main() -> None:
                   f"(p25 {statistics.quantiles(times, n=4)[0]:.0f}, "
                   f"p75 {statistics.quantiles(times, n=4)[2]:.0f})")
         print("  graphs kept:", sum(1 for b in build_graphs._builds.values() if b is not None))
-        parts(batches[args.warmup:], stride)
+        if geometry.submanifold:
+            parts(batches[args.warmup:], stride)
 
 
 def parts(batches, stride: int) -> None:
     """A replayed build's pieces, host us (medians): copy in, replay, copy out, pending."""
-    found = [b for b in build_graphs._builds.values() if b is not None]
+    found = [b for b in build_graphs._builds.values()
+             if isinstance(b, build_graphs.CapturedBuild)]
     marks = []
     for batch in batches:
         coords = batch.indices[::stride].contiguous() if stride > 1 else batch.indices

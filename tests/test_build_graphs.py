@@ -128,3 +128,60 @@ def test_captured_builds_on_the_gpu():
         grads.append((out, *torch.autograd.grad(out.float().square().sum(), (x, w))))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+STRIDED = [dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=(3, 1, 1), stride=(2, 1, 1)),
+           dict(kernel_size=2, stride=2, transposed=True)]
+
+
+@pytest.mark.parametrize("args", STRIDED, ids=["k3s2p1", "k311s211", "k2s2T"])
+def test_replayed_strided_builds_equal_eager_builds(device, args):
+    """The two graphs of a strided or transposed training build (generative_graphs.py), run
+    eagerly: for several input counts in one bucket, the rest eager (an output bucket's
+    first sighting) and through the second graph (its next ones), every plan equals the
+    torch planner's, with its views."""
+    from flexplan.planner import generative_graphs
+    from flexplan.planner.generative import output_spatial_shape
+
+    geometry = ConvGeometry.make(submanifold=False, **args)
+    out_shape = output_spatial_shape(SHAPE, geometry)
+    cap = 512
+    first = generative_graphs.CapturedCandidates(cap, out_shape, BATCH, geometry,
+                                                 torch.device(device), capture=False)
+    for seed, n in enumerate((500, 300, cap, 410, 490, 450)):
+        coords = random_coords(n, SHAPE, BATCH, generator=torch.Generator().manual_seed(seed),
+                               device=device)
+        plan = first.build(coords, SHAPE, BATCH)
+        exact = build_plan(coords.cpu(), SHAPE, BATCH, geometry, backend="torch")
+        _assert_same(plan, exact)
+        assert (plan.num_out, plan.out_spatial_shape) == (exact.num_out, exact.out_spatial_shape)
+        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd)):
+            assert torch.equal(sorted_map_t(gmap).cpu(), sorted_map_t(other).cpu())
+    assert any(rest is not None for rest in first.seconds.values())  # the second graph ran
+
+
+@pytest.mark.gpu
+def test_captured_strided_builds_on_the_gpu():
+    """Strided training builds through build_plan on fresh coordinates: first graphs captured
+    at an input bucket's second build, second graphs at an output bucket's; every plan equals
+    the torch planner's, also after later replays."""
+    from flexplan.planner import generative_graphs
+
+    build_graphs.release()
+    geometry = ConvGeometry.make(3, stride=2, padding=1, submanifold=False)
+    shape, batch = (120, 110, 40), 2
+    plans = []
+    for seed, n in enumerate((20000, 19000, 21000, 19500, 20500, 9000, 8800)):
+        coords = random_coords(n, shape, batch, generator=torch.Generator().manual_seed(seed),
+                               device="cuda")
+        plans.append((coords, build_plan(coords, shape, batch, geometry, check=False)))
+    firsts = [b for b in build_graphs._builds.values()
+              if isinstance(b, generative_graphs.CapturedCandidates)]
+    assert firsts and any(r is not None and r.graph is not None
+                          for first in firsts for r in first.seconds.values())
+    for coords, plan in plans:
+        exact = build_plan(coords.cpu(), shape, batch, geometry, backend="torch")
+        _assert_same(plan, exact)
+        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd)):
+            assert torch.equal(sorted_map_t(gmap).cpu(), sorted_map_t(other).cpu())
+    build_graphs.release()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flexplan import ConvGeometry, build_plan
+from flexplan.launch_spec import UNREAD_ADDRESS
 from flexplan.launcher import launch
 from flexplan.planner import generative_triton as gen
 from flexplan.planner import rank_sort
@@ -32,8 +33,10 @@ def test_candidates_kernel_pads_the_keys(device):
     plain = torch.empty(total, dtype=torch.int32, device=device)
     keys = torch.full((padded + 50,), 7, dtype=torch.int32, device=device)
     taps = torch.empty(total, dtype=torch.int32, device=device)
-    gen.launch_candidates(launch, coords, plain, taps, n, total, *shape, DOWN, slots, sent)
-    gen.launch_candidates(launch, coords, keys, taps, n, padded, *shape, DOWN, slots, sent)
+    gen.launch_candidates(launch, coords, plain, taps, n, UNREAD_ADDRESS, total, *shape, DOWN,
+                          slots, sent)
+    gen.launch_candidates(launch, coords, keys, taps, n, UNREAD_ADDRESS, padded, *shape, DOWN,
+                          slots, sent)
     assert torch.equal(keys[:total], plain)
     assert (keys[total:padded] == sent).all() and (keys[padded:] == 7).all()
 

@@ -66,6 +66,7 @@ class CapturedBuild:
                  geometry: ConvGeometry, signal_offsets: int, device: torch.device,
                  capture: bool = True):
         self.cap, self.volume, self.signal_offsets = cap, geometry.volume, signal_offsets
+        self.rows_held = cap  # (what it counts against ROWS_BUDGET)
         self.layout = schedule_layout(cap, geometry.volume, PLAN_BLOCK_SIZES, signal_offsets)
         self.room = _aligned(deferred_pairs_bound(cap, signal_offsets))
         # the arena's regions (int32s, 16-byte aligned): plan_out, map, map_t, pair rows
@@ -159,15 +160,24 @@ def captured_build(n: int, shape: tuple[int, int, int], batch_size: int, geometr
         return None
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), cap, shape,
            batch_size, geometry, signal_offsets)
+    return kept_graph(key, cap, lambda: CapturedBuild(cap, shape, batch_size, geometry,
+                                                      signal_offsets, device))
+
+
+def kept_graph(key: tuple, rows: int, capture):
+    """The captured build kept under key (its first two entries: the device index and the
+    stream), capture()'s on the key's second request (a build of `rows` bucket rows, within
+    the device's ROWS_BUDGET), or None where the caller builds eagerly: the first request, past
+    the budget, or after a capture that failed (warned once)."""
     found = _builds.get(key)
     if found is not None:
         return found
     with _lock:
         if key in _builds:
             return _builds[key]
-        held = sum(kept.cap for known, kept in _builds.items()
-                   if kept is not None and known[0] == device.index)
-        if held + cap > ROWS_BUDGET:
+        held = sum(kept.rows_held for known, kept in _builds.items()
+                   if kept is not None and known[0] == key[0])
+        if held + rows > ROWS_BUDGET:
             return None
         if key not in _requested:  # the first request: remember it, build eagerly
             if len(_requested) >= 1024:  # (streams and shapes come and go)
@@ -176,10 +186,10 @@ def captured_build(n: int, shape: tuple[int, int, int], batch_size: int, geometr
             return None
         _requested.discard(key)
         try:
-            found = CapturedBuild(cap, shape, batch_size, geometry, signal_offsets, device)
+            found = capture()
         except RuntimeError as exc:  # keep building, eagerly
             warnings.warn(f"flexplan: capturing a plan build failed ({exc}); building "
-                          f"{cap}-row buckets of this geometry eagerly", RuntimeWarning)
+                          f"{rows}-row buckets of this geometry eagerly", RuntimeWarning)
         _builds[key] = found
         return found
 

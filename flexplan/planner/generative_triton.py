@@ -30,7 +30,7 @@ import torch
 from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..kernels_src import plan_generative as kernels
-from ..launch_spec import INT32, INT64, KEYS, SIZE
+from ..launch_spec import ADDRESS, INT32, INT64, KEYS, SIZE, UNREAD_ADDRESS
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, GatherMap, signal_fields, with_sorted_map_t
 from .keys import key_dtype
@@ -71,16 +71,17 @@ def candidate_slots(geometry: ConvGeometry) -> int:
 # Launch descriptions: each launch written once (flexplan/launch_spec.py), for the planner below
 # and the AOT build (flexplan/aot/variants.py), which records them with example arguments.
 
-def launch_candidates(run, coords: INT32, keys: KEYS, taps: INT32, n: SIZE, padded: SIZE,
-                      size_x: SIZE, size_y: SIZE, size_z: SIZE, geometry: ConvGeometry,
-                      slots: int, sent: int) -> None:
+def launch_candidates(run, coords: INT32, keys: KEYS, taps: INT32, n: SIZE, n_at: ADDRESS,
+                      padded: SIZE, size_x: SIZE, size_y: SIZE, size_z: SIZE,
+                      geometry: ConvGeometry, slots: int, sent: int) -> None:
     """keys, taps [n * slots]: the candidates of coords' n rows on the output grid (slots:
     candidate_slots(geometry); sent: SENTINEL of the keys' dtype), keys padded with sent up to
-    `padded` (at most twice n * slots)."""
+    `padded` (at most twice n * slots). n_at: UNREAD_ADDRESS, or where the live rows' count
+    is, n the most (kernels_src/row_count.py)."""
     (kx, ky, kz), (sx, sy, sz) = geometry.kernel_size, geometry.stride
     (px, py, pz), (dx, dy, dz) = geometry.padding, geometry.dilation
     run(kernels.generative_candidates_kernel, (-(-n // CANDIDATES_LAUNCH["BLOCK"]),), coords,
-        keys, taps, n, padded, size_x, size_y, size_z, KX=kx, KY=ky, KZ=kz, SX=sx, SY=sy, SZ=sz,
+        keys, taps, n, n_at, padded, size_x, size_y, size_z, KX=kx, KY=ky, KZ=kz, SX=sx, SY=sy, SZ=sz,
         PX=px, PY=py, PZ=pz, DX=dx, DY=dy, DZ=dz, T=slots, TRANSPOSED=geometry.transposed,
         SENT=sent, **CANDIDATES_LAUNCH)
 
@@ -112,10 +113,11 @@ def launch_scatter(run, sorted_keys: KEYS, order: INT64, rank: INT32, taps: INT3
 
 
 def launch_transpose_map(run, fwd: INT32, bwd: INT32, bwd_t: INT32, entries: SIZE,
-                         num_in: SIZE, v: int, map_t: bool) -> None:
-    """bwd of fwd's `entries` (rows x v) entries; with map_t also bwd_t [v, num_in]."""
+                         num_in: SIZE, n_at: ADDRESS, v: int, map_t: bool) -> None:
+    """bwd of fwd's `entries` (rows x v) entries; with map_t also bwd_t [v, num_in]. n_at: as
+    launch_candidates' (for num_in)."""
     run(kernels.transpose_map_kernel, (-(-entries // TRANSPOSE_LAUNCH["BLOCK"]),), fwd, bwd,
-        bwd_t, entries, num_in, V=v, MAP_T=map_t, **TRANSPOSE_LAUNCH)
+        bwd_t, entries, num_in, n_at, V=v, MAP_T=map_t, **TRANSPOSE_LAUNCH)
 
 
 def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, int],
@@ -144,8 +146,8 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
     rank = torch.empty(total, dtype=torch.int32, device=device)
     # A captured sort's keys and outputs are ours until the last scatter is queued.
     with rank_sorter(total, 1, kdtype, device, CANDIDATES) as sorter:
-        launch_candidates(launch, coords, sorter.keys, taps, n, sorter.size, *out_shape, geometry,
-                          slots, sent)
+        launch_candidates(launch, coords, sorter.keys, taps, n, UNREAD_ADDRESS, sorter.size,
+                          *out_shape, geometry, slots, sent)
         sorted_keys, order = sorter.sort()
         launch_run_starts(launch, sorted_keys, rank, readback, total, state_at, sent)
         scatter = (sorted_keys, order, rank, taps)
@@ -182,7 +184,8 @@ def transposed_map_triton(fwd: torch.Tensor, num_in: int) -> torch.Tensor:
     m, v = fwd.shape
     bwd = torch.full((num_in, v), MISSING, dtype=torch.int32, device=fwd.device)
     if m:
-        launch_transpose_map(launch, fwd.contiguous(), bwd, bwd, m * v, num_in, v, False)
+        launch_transpose_map(launch, fwd.contiguous(), bwd, bwd, m * v, num_in, UNREAD_ADDRESS, v,
+                             False)
     return bwd
 
 
@@ -204,5 +207,6 @@ def transposed_map_and_t_triton(fwd: torch.Tensor, num_in: int
     both = torch.full((room + entries,), MISSING, dtype=torch.int32, device=fwd.device)
     bwd, bwd_t = both[:entries].view(num_in, v), both[room:].view(v, num_in)
     if m:
-        launch_transpose_map(launch, fwd.contiguous(), bwd, bwd_t, m * v, num_in, v, True)
+        launch_transpose_map(launch, fwd.contiguous(), bwd, bwd_t, m * v, num_in, UNREAD_ADDRESS,
+                             v, True)
     return bwd, bwd_t

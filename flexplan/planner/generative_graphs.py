@@ -1,0 +1,255 @@
+"""Strided and transposed training builds replayed from CUDA graphs (build_graphs.py for the
+submanifold ones, and the registry both use).
+
+generative_triton.generative_plan_triton has one host sync: the output count, which sizes
+everything after it. So its launches are recorded in two graphs. The first, per bucket of
+input rows (and grid, geometry), records the candidates (its kernel reading the live input
+count from device memory, kernels_src/row_count.py: rows past it are padding, their slots
+sorted last), their sort and the run starts; the host then reads the output and pair counts.
+The second, per bucket of output rows, kept by the first, records the rest over the first's
+buffers: the fwd map and output coordinates, the bwd map transposed from it, the fwd map's
+schedule and pairs (their kernels reading the live output count, which the run starts left
+on the device). Where the second is not captured yet, the rest runs eagerly over the first's
+buffers, as generative_plan_triton runs it. The plan's buffers are one arena of the second,
+copied out after each replay (build_graphs.py says why).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..geometry import ConvGeometry
+from ..kernel_configs import PLAN_BLOCK_SIZES
+from ..launcher import launch
+from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
+from .build_graphs import ROWS_BUDGET, enabled, kept_graph
+from .generative_triton import (SENTINEL, TOTALS, candidate_slots, launch_candidates,
+                                launch_run_starts, launch_scatter, launch_transpose_map,
+                                run_starts_tiles, transposed_gather_map)
+from .keys import key_dtype
+from .rank_sort import CANDIDATES, MAX_ROWS, MIN_ROWS, bucket, rank_sorter
+from .segments import unscheduled_map
+from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, launch_pairs,
+                              plan_schedule_triton, readback_bound, schedule_launches,
+                              schedule_layout)
+
+# Second graphs one first graph keeps (output buckets: a level's output counts span a few).
+MAX_SECOND_GRAPHS = 4
+
+
+def _graph_replaying(record):
+    """(graph, outputs) of record() captured on a side stream of the current device after one
+    eager call of it (first-use work: binaries, the sort's buffers, the allocator)."""
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        record()
+        # thread_local: other threads' CUDA calls during the capture do not break it
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            outputs = record()
+        finally:
+            graph.capture_end()
+    current.wait_stream(side)
+    return graph, outputs
+
+
+class CapturedCandidates:
+    """The first graph: candidates, sort and run starts of up to `cap` input rows."""
+
+    def __init__(self, cap: int, out_shape: tuple[int, int, int], batch_size: int,
+                 geometry: ConvGeometry, device: torch.device, capture: bool = True):
+        self.cap, self.out_shape, self.geometry = cap, out_shape, geometry
+        self.slots = candidate_slots(geometry)
+        self.kdtype = key_dtype(out_shape, batch_size)
+        self.total = cap * self.slots  # candidates sorted, padding included
+        v = geometry.volume
+        self.fwd_at = TOTALS
+        self.state_at = self.fwd_at + readback_bound(self.total, PLAN_BLOCK_SIZES, v)
+        self.coords = torch.zeros((cap, 4), dtype=torch.int32, device=device)
+        self.rows = torch.zeros(1, dtype=torch.int32, device=device)  # the live input count
+        self.lock = threading.Lock()
+        self.seconds: dict = {}  # output bucket -> CapturedRest, or None (failed)
+        self.requested: set = set()
+        self.rows_held = cap
+        self.capture = capture
+        self.graph = self.outputs = None
+        if capture:
+            self.graph, self.outputs = _graph_replaying(self._launches)
+
+    def _launches(self):
+        """(sorted keys, order, rank, taps, readback) of the live rows of self.coords."""
+        device = self.coords.device
+        readback = torch.full((self.state_at + run_starts_tiles(self.total) + 1,), -1,
+                              dtype=torch.int64, device=device)
+        taps = torch.empty(self.total, dtype=torch.int32, device=device)
+        rank = torch.empty(self.total, dtype=torch.int32, device=device)
+        sent = SENTINEL[self.kdtype]
+        with rank_sorter(self.total, 1, self.kdtype, device, CANDIDATES) as sorter:
+            launch_candidates(launch, self.coords, sorter.keys, taps, self.cap,
+                              self.rows.data_ptr(), sorter.size, *self.out_shape, self.geometry,
+                              self.slots, sent)
+            sorted_keys, order = sorter.sort()
+            if sorter.size != self.total:  # (a captured sort of a larger bucket: its padding)
+                sorted_keys, order = sorted_keys[:self.total], order[:self.total]
+            launch_run_starts(launch, sorted_keys, rank, readback, self.total, self.state_at,
+                              sent)
+        return sorted_keys, order, rank, taps, readback
+
+    def build(self, coords: torch.Tensor, in_shape: tuple[int, int, int],
+              batch_size: int) -> ConvPlan:
+        """The training plan of generative_plan_triton for coords [n <= cap, 4], checked."""
+        n, v = coords.shape[0], self.geometry.volume
+        with self.lock:  # the graphs' buffers are ours from the copy in to the copies out
+            self.coords[:n].copy_(coords)
+            self.rows.fill_(n)
+            if self.graph is None:
+                outputs = self._launches()
+            else:
+                self.graph.replay()
+                outputs = self.outputs
+            readback = outputs[-1]
+            n_out, pairs = readback[:TOTALS].tolist()  # the one host sync
+            pairs = max(pairs, 0)  # -1: no candidate at all
+            rest = self._second(n_out) if pairs else None
+            if rest is not None:
+                parts = rest.build(outputs, n, n_out, pairs)
+            else:
+                parts = self._rest_eagerly(outputs, n, n_out, pairs)
+        out_coords, fwd_map, bwd_map, signal = parts
+        return ConvPlan(
+            geometry=self.geometry, batch_size=batch_size, in_spatial_shape=in_shape,
+            out_spatial_shape=self.out_shape, num_in=n, num_out=n_out, out_coords=out_coords,
+            fwd=fwd_map, bwd=bwd_map, **signal_fields(signal, coords.device, True))
+
+    def _rest_eagerly(self, outputs, n: int, n_out: int, pairs: int):
+        """generative_plan_triton's launches after its sync, over this graph's buffers."""
+        sorted_keys, order, rank, taps, readback = outputs
+        device, v = self.coords.device, self.geometry.volume
+        fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=device)
+        out_coords = torch.empty((n_out, 4), dtype=torch.int32, device=device)
+        if pairs:
+            launch_scatter(launch, sorted_keys, order, rank, taps, fwd, fwd, out_coords,
+                           self.total, n, *self.out_shape, self.slots, v,
+                           SENTINEL[self.kdtype], True)
+        bwd_map = transposed_gather_map(fwd, n)
+        fwd_map, signal, _ = plan_schedule_triton(fwd, PLAN_BLOCK_SIZES, v,
+                                                  readback[self.fwd_at:self.state_at],
+                                                  pairs_total=pairs)
+        return out_coords, fwd_map, bwd_map, signal
+
+    def _second(self, n_out: int):
+        """The second graph for n_out output rows (captured at its bucket's second request,
+        MAX_SECOND_GRAPHS at most), or None: the rest runs eagerly."""
+        cap_out = -(-bucket(n_out) // SCHEDULE_LAUNCH["ROWS"]) * SCHEDULE_LAUNCH["ROWS"]
+        found = self.seconds.get(cap_out)
+        if found is not None or cap_out in self.seconds:
+            return found
+        layout = schedule_layout(cap_out, self.geometry.volume, PLAN_BLOCK_SIZES,
+                                 self.geometry.volume)
+        if (layout.readback_slots > self.state_at - self.fwd_at
+                or len(self.seconds) >= MAX_SECOND_GRAPHS):
+            return None
+        if cap_out not in self.requested:
+            self.requested.add(cap_out)
+            return None
+        try:
+            found = CapturedRest(self, cap_out, layout)
+        except RuntimeError:  # (the first graph's capture worked: this one builds eagerly)
+            found = None
+        self.seconds[cap_out] = found
+        return found
+
+
+class CapturedRest:
+    """The second graph: fwd map, output coordinates, bwd map, fwd schedule and pairs of up to
+    `cap` output rows, over a CapturedCandidates' buffers."""
+
+    def __init__(self, first: CapturedCandidates, cap: int, layout):
+        self.first, self.cap, self.layout = first, cap, layout
+        v, cap_in = first.geometry.volume, first.cap
+        self.room = _aligned(first.total)  # the pairs: at most one per candidate
+        # the arena's regions (int32s, 16-byte aligned): plan_out, fwd map, out coords, map_t,
+        # pair rows, bwd map, bwd_t
+        sizes = (layout.out_size, cap * v, cap * 4, v * cap, 2 * self.room, cap_in * v, v * cap_in)
+        places = [0]
+        for size in sizes:
+            places.append(places[-1] + _aligned(size))
+        self.places = tuple(places)
+        self.rows_out = torch.zeros(1, dtype=torch.int32, device=first.coords.device)
+        self.graph = self.arena = None
+        if first.capture:
+            self.graph, self.arena = _graph_replaying(lambda: self._launches(first.outputs))
+
+    def _launches(self, outputs) -> torch.Tensor:
+        """The arena (self.places) of the rest of the build over the first graph's outputs."""
+        first, v, p = self.first, self.first.geometry.volume, self.places
+        sorted_keys, order, rank, taps, readback = outputs
+        arena = torch.empty(p[-1], dtype=torch.int32, device=first.coords.device)
+        self.rows_out.copy_(readback[:1])  # (the run starts' int64 output count)
+        rows_out, rows_in = self.rows_out.data_ptr(), first.rows.data_ptr()
+        plan_out = arena[:self.layout.out_size]
+        fwd = arena[p[1]:p[1] + self.cap * v].view(self.cap, v)
+        out_coords = arena[p[2]:p[2] + self.cap * 4].view(self.cap, 4)
+        map_t = arena[p[3]:p[3] + v * self.cap].view(v, self.cap)
+        pair_rows = arena[p[4]:p[5]]
+        arena[p[1]:p[2]].fill_(MISSING)
+        arena[p[5]:].fill_(MISSING)
+        launch_scatter(launch, sorted_keys, order, rank, taps, fwd, fwd, out_coords, first.total,
+                       first.cap, *first.out_shape, first.slots, v, SENTINEL[first.kdtype], True)
+        launch_transpose_map(launch, fwd, arena[p[5]:p[6]], arena[p[6]:p[7]], self.cap * v,
+                             first.cap, rows_in, v, True)
+        fwd_readback = readback[first.fwd_at:first.fwd_at + self.layout.readback_slots]
+        fwd_readback.fill_(-1)
+        _, _, scan, _ = schedule_launches(fwd, self.layout, v, fwd_readback, 0, rows_out,
+                                          plan_out, map_t)
+        at = self.layout.signal_seg_at
+        launch_pairs(launch, fwd, scan, pair_rows, self.room, plan_out[at:at + v + 1], self.cap,
+                     rows_out, v, v)
+        return arena
+
+    def build(self, outputs, n_in: int, n_out: int, pairs: int):
+        """(out_coords, fwd map, bwd map, valid_signal's triple) of the first graph's live
+        rows, from its outputs (its last replay's), the first's lock held."""
+        v, p, layout = self.first.geometry.volume, self.places, self.layout
+        if self.graph is None:
+            arena = self._launches(outputs)
+        else:
+            self.graph.replay()
+            arena = self.arena
+        arena = arena.clone()  # (one copy: the plan's views below share it)
+        plan_out = arena[:layout.out_size]
+        fwd = arena[p[1]:p[1] + n_out * v].view(n_out, v)
+        out_coords = arena[p[2]:p[2] + n_out * 4].view(n_out, 4)
+        map_t = arena[p[3]:p[3] + v * n_out].view(v, n_out)
+        seg_runs = {block: (at, -(-n_out // block) + 1)
+                    for block, (at, _) in layout.seg_runs.items()}
+        fwd_map = deferred_gather_map(fwd, plan_out, map_t, layout, seg_runs)
+        at = layout.signal_seg_at
+        signal = (arena[p[4]:p[4] + pairs], arena[p[4] + self.room:p[4] + self.room + pairs],
+                  plan_out[at:at + v + 1])
+        bwd = arena[p[5]:p[5] + n_in * v].view(n_in, v)
+        bwd_map = with_sorted_map_t(unscheduled_map(bwd),
+                                    arena[p[6]:p[6] + v * n_in].view(v, n_in))
+        return out_coords, fwd_map, bwd_map, signal
+
+
+def captured_strided_build(n: int, out_shape: tuple[int, int, int], batch_size: int,
+                           geometry: ConvGeometry, device: torch.device
+                           ) -> CapturedCandidates | None:
+    """The captured first graph for a strided or transposed training build of n checked rows
+    on the current stream of `device`, or None where the caller builds eagerly (the same rules
+    as build_graphs.captured_build's)."""
+    if not MIN_ROWS <= n <= MAX_ROWS or device.type != "cuda" or not enabled() or (
+            torch.cuda.is_current_stream_capturing()):
+        return None
+    cap = bucket(n)
+    if cap * candidate_slots(geometry) > ROWS_BUDGET * 8:  # (the sort's keys)
+        return None
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), "candidates", cap,
+           out_shape, batch_size, geometry)
+    return kept_graph(key, cap, lambda: CapturedCandidates(cap, out_shape, batch_size, geometry,
+                                                           device))

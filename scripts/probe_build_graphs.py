@@ -53,15 +53,14 @@ def main() -> None:
             print(f"  {label}: {statistics.median(times):.0f} us per build "
                   f"(p25 {statistics.quantiles(times, n=4)[0]:.0f}, "
                   f"p75 {statistics.quantiles(times, n=4)[2]:.0f})")
-        print("  graphs kept:", sum(1 for b in build_graphs._builds.values() if b is not None))
+        print("  graphs kept:", len(build_graphs.kept()))
         if geometry.submanifold:
             parts(batches[args.warmup:], stride)
 
 
 def parts(batches, stride: int) -> None:
     """A replayed build's pieces, host us (medians): copy in, replay, copy out, pending."""
-    found = [b for b in build_graphs._builds.values()
-             if isinstance(b, build_graphs.CapturedBuild)]
+    found = [b for b in build_graphs.kept() if isinstance(b, build_graphs.CapturedBuild)]
     marks = []
     for batch in batches:
         coords = batch.indices[::stride].contiguous() if stride > 1 else batch.indices

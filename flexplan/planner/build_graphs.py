@@ -16,10 +16,10 @@ are the graph's own, so after each replay they are copied out (device copies) be
 replay can touch them: the plan owns its memory as an eager build's does.
 
 Like rank_sort's sorts, a bucket's graph is recorded the second time a build asks for it (a
-first-use pass, then the capture: a few milliseconds), within a budget of rows for all graphs
-of a device (each row holds about 400 bytes of graph memory); builds past it, or of row counts
-outside [MIN_ROWS, MAX_ROWS], or while a graph of the caller's is being captured, build
-eagerly. FLEXPLAN_BUILD_GRAPHS=0 turns them off. Only builds that read nothing back qualify:
+first-use pass, then the capture: a few milliseconds), within BYTES_BUDGET of graph memory for
+all of a device's build graphs (graph_registry.py; a submanifold bucket row holds about 440
+bytes); builds past it, or of row counts outside [MIN_ROWS, MAX_ROWS], or while a graph of the
+caller's is being captured, build eagerly. FLEXPLAN_BUILD_GRAPHS=0 turns them off. Only builds that read nothing back qualify:
 training, coordinates checked before, pairs deferred (their count read at the first backward),
 one Gray-rank word (at most 63 offsets).
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 
 import torch
 
@@ -35,6 +34,7 @@ from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..launcher import launch
 from ..plan import PendingCount
+from .graph_registry import CaptureRegistry
 from .hashmap import submanifold_neighbor_map_triton
 from .rank_sort import MAX_ROWS, MIN_ROWS, bucket
 from .segments_torch import rank_words
@@ -42,11 +42,14 @@ from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, de
                               launch_pairs, schedule_launches, schedule_layout)
 
 BUILD_GRAPHS_ENV = "FLEXPLAN_BUILD_GRAPHS"
-ROWS_BUDGET = 1 << 20  # bucket rows of all of a device's build graphs together (about 400 MB)
+# Graph memory of all of a device's captured builds together, estimated (graph_bytes): a fresh
+# U-Net training step of bench_e2e (~110k voxels) keeps about 0.5 GB of graphs.
+BYTES_BUDGET = 1 << 30
+# Per bucket row, what a build's graph holds besides its outputs: the coordinates, the hash
+# table, the ranks and their sort (with CUB's buffers), the counts.
+SCRATCH_BYTES_PER_ROW = 80
 
-_builds: dict = {}  # key -> CapturedBuild, or None where the capture failed
-_requested: set = set()  # keys asked for once, not captured yet
-_lock = threading.Lock()
+_builds = CaptureRegistry(BYTES_BUDGET)  # per device
 
 
 # False: every build eager, as before session 47 (A/B runs: scripts/bench_precision.py).
@@ -55,6 +58,48 @@ CAPTURE_BUILDS = True
 
 def enabled() -> bool:
     return CAPTURE_BUILDS and os.environ.get(BUILD_GRAPHS_ENV, "1") != "0"
+
+
+def arena_places(sizes) -> tuple[int, ...]:
+    """(0, then each region's end): regions of `sizes` int32s, each starting 16-byte aligned
+    (the kernels' pointers are specialized on it)."""
+    places = [0]
+    for size in sizes:
+        places.append(places[-1] + _aligned(size))
+    return tuple(places)
+
+
+def capture_graph(record):
+    """(graph, outputs) of record() recorded in a CUDA graph on a side stream of the current
+    device, after one eager call of it (first-use work: binaries, CUB, the allocator)."""
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        record()
+        # thread_local: other threads' CUDA calls during the capture do not break it
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            outputs = record()
+        finally:
+            graph.capture_end()
+    current.wait_stream(side)
+    return graph, outputs
+
+
+def _arena(cap: int, volume: int, signal_offsets: int):
+    """(schedule layout, the pairs' room, the arena's places) of a submanifold build of cap
+    rows: the arena's regions are plan_out, the map, map_t and the pair rows."""
+    layout = schedule_layout(cap, volume, PLAN_BLOCK_SIZES, signal_offsets)
+    room = _aligned(deferred_pairs_bound(cap, signal_offsets))
+    return layout, room, arena_places((layout.out_size, cap * volume, cap * volume, 2 * room))
+
+
+def graph_bytes(places: tuple[int, ...], rows: int) -> int:
+    """A build graph's memory, estimated: its arena (int32s up to places[-1]) and the scratch
+    of `rows` bucket rows."""
+    return 4 * places[-1] + SCRATCH_BYTES_PER_ROW * rows
 
 
 class CapturedBuild:
@@ -66,36 +111,15 @@ class CapturedBuild:
                  geometry: ConvGeometry, signal_offsets: int, device: torch.device,
                  capture: bool = True):
         self.cap, self.volume, self.signal_offsets = cap, geometry.volume, signal_offsets
-        self.rows_held = cap  # (what it counts against ROWS_BUDGET)
-        self.layout = schedule_layout(cap, geometry.volume, PLAN_BLOCK_SIZES, signal_offsets)
-        self.room = _aligned(deferred_pairs_bound(cap, signal_offsets))
-        # the arena's regions (int32s, 16-byte aligned): plan_out, map, map_t, pair rows
-        self.places = (0, _aligned(self.layout.out_size))
-        self.places += (self.places[1] + cap * geometry.volume,)
-        self.places += (self.places[2] + cap * geometry.volume,)
-        self.places += (self.places[3] + 2 * self.room,)
+        self.layout, self.room, self.places = _arena(cap, geometry.volume, signal_offsets)
         self.coords = torch.zeros((cap, 4), dtype=torch.int32, device=device)
         self.rows = torch.zeros(1, dtype=torch.int32, device=device)  # the live count
         self.lock = threading.Lock()
         self.args = (shape, batch_size, geometry)
         self.graph = self.outputs = None
         if capture:
-            self._capture(device)
+            self.graph, self.outputs = capture_graph(lambda: self._launches(*self.args))
 
-    def _capture(self, device: torch.device) -> None:
-        self.graph, args = torch.cuda.CUDAGraph(), self.args
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self._launches(*args)  # first-use work (binaries, CUB, allocator): not captured
-            # thread_local: other threads' CUDA calls during the capture do not break it
-            self.graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self.outputs = self._launches(*args)
-            finally:
-                self.graph.capture_end()
-        current.wait_stream(side)
 
     def _launches(self, shape, batch_size, geometry):
         """The build's launches for the live rows of self.coords, as build_plan's Triton path
@@ -160,42 +184,24 @@ def captured_build(n: int, shape: tuple[int, int, int], batch_size: int, geometr
         return None
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), cap, shape,
            batch_size, geometry, signal_offsets)
-    return kept_graph(key, cap, lambda: CapturedBuild(cap, shape, batch_size, geometry,
-                                                      signal_offsets, device))
+    return kept_graph(
+        key, lambda: graph_bytes(_arena(cap, geometry.volume, signal_offsets)[2], cap),
+        lambda: CapturedBuild(cap, shape, batch_size, geometry, signal_offsets, device))
 
 
-def kept_graph(key: tuple, rows: int, capture):
-    """The captured build kept under key (its first two entries: the device index and the
-    stream), capture()'s on the key's second request (a build of `rows` bucket rows, within
-    the device's ROWS_BUDGET), or None where the caller builds eagerly: the first request, past
-    the budget, or after a capture that failed (warned once)."""
-    found = _builds.get(key)
-    if found is not None:
-        return found
-    with _lock:
-        if key in _builds:
-            return _builds[key]
-        held = sum(kept.rows_held for known, kept in _builds.items()
-                   if kept is not None and known[0] == key[0])
-        if held + rows > ROWS_BUDGET:
-            return None
-        if key not in _requested:  # the first request: remember it, build eagerly
-            if len(_requested) >= 1024:  # (streams and shapes come and go)
-                _requested.clear()
-            _requested.add(key)
-            return None
-        _requested.discard(key)
-        try:
-            found = capture()
-        except RuntimeError as exc:  # keep building, eagerly
-            warnings.warn(f"flexplan: capturing a plan build failed ({exc}); building "
-                          f"{rows}-row buckets of this geometry eagerly", RuntimeWarning)
-        _builds[key] = found
-        return found
+def kept_graph(key: tuple, size, capture):
+    """The captured build kept under key (its first entry the device index), capture()'s on
+    the key's second request (a graph of about size() bytes, within the device's
+    BYTES_BUDGET), or None where the caller builds eagerly (graph_registry.py)."""
+    return _builds.get(key, size, key[0], capture,
+                       "capturing a plan build failed; building this bucket eagerly")
+
+
+def kept() -> list:
+    """The captured builds kept (first graphs of strided builds: generative_graphs.py)."""
+    return list(_builds.kept().values())
 
 
 def release() -> None:
     """Drop every captured build (their graphs and buffers) and the requests counted."""
-    with _lock:
-        _builds.clear()
-        _requested.clear()
+    _builds.release()

@@ -23,7 +23,8 @@ from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
-from .build_graphs import ROWS_BUDGET, enabled, kept_graph
+from .build_graphs import arena_places, capture_graph, enabled, graph_bytes, kept_graph
+from .graph_registry import CaptureRegistry
 from .generative_triton import (SENTINEL, TOTALS, candidate_slots, launch_candidates,
                                 launch_run_starts, launch_scatter, launch_transpose_map,
                                 run_starts_tiles, transposed_gather_map)
@@ -34,27 +35,8 @@ from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, la
                               plan_schedule_triton, readback_bound, schedule_launches,
                               schedule_layout)
 
-# Second graphs one first graph keeps (output buckets: a level's output counts span a few).
-MAX_SECOND_GRAPHS = 4
-
-
-def _graph_replaying(record):
-    """(graph, outputs) of record() captured on a side stream of the current device after one
-    eager call of it (first-use work: binaries, the sort's buffers, the allocator)."""
-    graph = torch.cuda.CUDAGraph()
-    current = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        record()
-        # thread_local: other threads' CUDA calls during the capture do not break it
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            outputs = record()
-        finally:
-            graph.capture_end()
-    current.wait_stream(side)
-    return graph, outputs
+# Per candidate, what a first graph holds: keys, taps, ranks, the sort's outputs and buffers.
+CANDIDATE_BYTES = 32
 
 
 class CapturedCandidates:
@@ -72,13 +54,17 @@ class CapturedCandidates:
         self.coords = torch.zeros((cap, 4), dtype=torch.int32, device=device)
         self.rows = torch.zeros(1, dtype=torch.int32, device=device)  # the live input count
         self.lock = threading.Lock()
-        self.seconds: dict = {}  # output bucket -> CapturedRest, or None (failed)
-        self.requested: set = set()
-        self.rows_held = cap
+        # (eager, the CPU tests' way: second "graphs" kept here, no device to key or budget by)
+        self.eager_rests = CaptureRegistry(budget=1 << 62)
         self.capture = capture
         self.graph = self.outputs = None
         if capture:
-            self.graph, self.outputs = _graph_replaying(self._launches)
+            self.graph, self.outputs = capture_graph(self._launches)
+
+    @staticmethod
+    def graph_bytes(cap: int, geometry: ConvGeometry) -> int:
+        """The first graph's memory, estimated."""
+        return CANDIDATE_BYTES * cap * candidate_slots(geometry) + 16 * cap
 
     def _launches(self):
         """(sorted keys, order, rank, taps, readback) of the live rows of self.coords."""
@@ -143,25 +129,22 @@ class CapturedCandidates:
 
     def _second(self, n_out: int):
         """The second graph for n_out output rows (captured at its bucket's second request,
-        MAX_SECOND_GRAPHS at most), or None: the rest runs eagerly."""
+        within the device's budget: build_graphs.kept_graph), or None: the rest runs
+        eagerly."""
         cap_out = -(-bucket(n_out) // SCHEDULE_LAUNCH["ROWS"]) * SCHEDULE_LAUNCH["ROWS"]
-        found = self.seconds.get(cap_out)
-        if found is not None or cap_out in self.seconds:
-            return found
-        layout = schedule_layout(cap_out, self.geometry.volume, PLAN_BLOCK_SIZES,
-                                 self.geometry.volume)
-        if (layout.readback_slots > self.state_at - self.fwd_at
-                or len(self.seconds) >= MAX_SECOND_GRAPHS):
+        v = self.geometry.volume
+        layout = schedule_layout(cap_out, v, PLAN_BLOCK_SIZES, v)
+        if layout.readback_slots > self.state_at - self.fwd_at:  # (its schedule's state)
             return None
-        if cap_out not in self.requested:
-            self.requested.add(cap_out)
-            return None
-        try:
-            found = CapturedRest(self, cap_out, layout)
-        except RuntimeError:  # (the first graph's capture worked: this one builds eagerly)
-            found = None
-        self.seconds[cap_out] = found
-        return found
+        make = lambda: CapturedRest(self, cap_out, layout)  # noqa: E731
+        size = lambda: graph_bytes(CapturedRest.places_of(self, cap_out, layout),  # noqa: E731
+                                   cap_out)
+        if not self.capture:
+            return self.eager_rests.get(cap_out, size, None, make, "")
+        device = self.coords.device
+        key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), "rest", id(self),
+               cap_out)
+        return kept_graph(key, size, make)
 
 
 class CapturedRest:
@@ -170,19 +153,20 @@ class CapturedRest:
 
     def __init__(self, first: CapturedCandidates, cap: int, layout):
         self.first, self.cap, self.layout = first, cap, layout
-        v, cap_in = first.geometry.volume, first.cap
         self.room = _aligned(first.total)  # the pairs: at most one per candidate
-        # the arena's regions (int32s, 16-byte aligned): plan_out, fwd map, out coords, map_t,
-        # pair rows, bwd map, bwd_t
-        sizes = (layout.out_size, cap * v, cap * 4, v * cap, 2 * self.room, cap_in * v, v * cap_in)
-        places = [0]
-        for size in sizes:
-            places.append(places[-1] + _aligned(size))
-        self.places = tuple(places)
+        self.places = self.places_of(first, cap, layout)
         self.rows_out = torch.zeros(1, dtype=torch.int32, device=first.coords.device)
         self.graph = self.arena = None
         if first.capture:
-            self.graph, self.arena = _graph_replaying(lambda: self._launches(first.outputs))
+            self.graph, self.arena = capture_graph(lambda: self._launches(first.outputs))
+
+    @staticmethod
+    def places_of(first: CapturedCandidates, cap: int, layout) -> tuple[int, ...]:
+        """The arena's regions: plan_out, fwd map, out coords, map_t, pair rows (room: one per
+        candidate), bwd map, bwd_t."""
+        v = first.geometry.volume
+        return arena_places((layout.out_size, cap * v, cap * 4, v * cap, 2 * _aligned(first.total),
+                             first.cap * v, v * first.cap))
 
     def _launches(self, outputs) -> torch.Tensor:
         """The arena (self.places) of the rest of the build over the first graph's outputs."""
@@ -247,9 +231,7 @@ def captured_strided_build(n: int, out_shape: tuple[int, int, int], batch_size: 
             torch.cuda.is_current_stream_capturing()):
         return None
     cap = bucket(n)
-    if cap * candidate_slots(geometry) > ROWS_BUDGET * 8:  # (the sort's keys)
-        return None
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), "candidates", cap,
            out_shape, batch_size, geometry)
-    return kept_graph(key, cap, lambda: CapturedCandidates(cap, out_shape, batch_size, geometry,
-                                                           device))
+    return kept_graph(key, lambda: CapturedCandidates.graph_bytes(cap, geometry),
+                      lambda: CapturedCandidates(cap, out_shape, batch_size, geometry, device))

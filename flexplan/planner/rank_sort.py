@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 
 import torch
 
+from .graph_registry import CaptureRegistry
 from .segments_torch import sort_by_rank
 
 SORT_GRAPHS_ENV = "FLEXPLAN_SORT_GRAPHS"
@@ -38,9 +38,7 @@ BUCKET_STEPS = 4  # buckets per power of two: keys padded by at most 1/4
 KEYS_BUDGET = 1 << 21  # keys of all captured sorts of one purpose together (about 75 MB)
 RANKS, CANDIDATES = "ranks", "candidates"  # the purposes
 
-_sorts: dict = {}  # key -> CapturedSort, or None where the capture failed
-_requested: set = set()  # keys asked for once, not captured yet
-_sorts_lock = threading.Lock()
+_sorts = CaptureRegistry(KEYS_BUDGET)  # per purpose
 
 
 def bucket(rows: int) -> int:
@@ -122,33 +120,14 @@ def rank_sorter(rows: int, words: int, dtype: torch.dtype, device: torch.device,
 def _captured_sort(size: int, dtype: torch.dtype, device: torch.device,
                    purpose: str) -> CapturedSort | None:
     # (the purpose in the key: a build holds its candidates' sort while its ranks are sorted)
+    if os.environ.get(SORT_GRAPHS_ENV, "1") == "0":
+        return None
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), size, dtype, purpose)
-    found = _sorts.get(key)
-    if found is not None:
-        return found
-    with _sorts_lock:
-        held = sum(kept.size for known, kept in _sorts.items()
-                   if kept is not None and known[4] == purpose)
-        if key in _sorts or held + size > KEYS_BUDGET or (
-                os.environ.get(SORT_GRAPHS_ENV, "1") == "0"):
-            return _sorts.get(key)
-        if key not in _requested:  # the first request: remember it, sort with torch.sort
-            if len(_requested) >= 1024:  # (streams come and go)
-                _requested.clear()
-            _requested.add(key)
-            return None
-        _requested.discard(key)
-        try:
-            found = CapturedSort(size, dtype, device)
-        except RuntimeError as exc:  # keep building, with torch.sort
-            warnings.warn(f"flexplan: capturing the planner's sort failed ({exc}); using "
-                          f"torch.sort for {size} keys on this stream", RuntimeWarning)
-        _sorts[key] = found
-        return found
+    return _sorts.get(key, lambda: size, purpose, lambda: CapturedSort(size, dtype, device),
+                      f"capturing the planner's sort failed; using torch.sort for {size} keys "
+                      "on this stream")
 
 
 def release() -> None:
     """Drop every captured sort (their graphs and buffers) and the requests counted."""
-    with _sorts_lock:
-        _sorts.clear()
-        _requested.clear()
+    _sorts.release()

@@ -1,0 +1,62 @@
+"""CUDA graphs the planner captures on a key's second request, within a budget.
+
+The planner's captured sorts (rank_sort.py) and captured builds (build_graphs.py,
+generative_graphs.py) each serve a bucket of sizes. A capture costs milliseconds and holds
+memory, so a key's first request is only remembered (the caller works eagerly), its second
+captures, and the sizes kept per pool (a purpose, a device) stay within a budget: a workload
+of many sizes never recaptures. A capture that fails is remembered too (warned once; the
+caller works eagerly from then on).
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+
+
+class CaptureRegistry:
+    """Captured graphs by key, within `budget` (summed size) per pool."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self._kept: dict = {}  # key -> (captured or None where the capture failed, size, pool)
+        self._requested: set = set()  # keys asked for once, not captured yet
+        self._lock = threading.Lock()
+
+    def get(self, key, size, pool, capture, failed: str):
+        """What is kept under key; else capture()'s answer at the key's second request, when
+        size() more (asked only then) fits the pool's budget; else None. failed: the
+        warning's words for a capture that raised RuntimeError (the exception follows)."""
+        kept = self._kept.get(key)
+        if kept is not None:
+            return kept[0]
+        with self._lock:
+            if key in self._kept:
+                return self._kept[key][0]
+            held = sum(kept_size for found, kept_size, known in self._kept.values()
+                       if found is not None and known == pool)
+            size = size()
+            if held + size > self.budget:
+                return None
+            if key not in self._requested:  # the first request: remembered only
+                if len(self._requested) >= 1024:  # (streams and shapes come and go)
+                    self._requested.clear()
+                self._requested.add(key)
+                return None
+            self._requested.discard(key)
+            found = None
+            try:
+                found = capture()
+            except RuntimeError as exc:
+                warnings.warn(f"flexplan: {failed} ({exc})", RuntimeWarning)
+            self._kept[key] = found, size, pool
+            return found
+
+    def kept(self) -> dict:
+        """key -> captured graph, for those kept (not the failures)."""
+        return {key: found for key, (found, _, _) in self._kept.items() if found is not None}
+
+    def release(self) -> None:
+        """Drop every graph kept (their buffers with them) and the requests counted."""
+        with self._lock:
+            self._kept.clear()
+            self._requested.clear()

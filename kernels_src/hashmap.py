@@ -79,9 +79,8 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, n_at, slot_mask, nmap,
     coordinates' identity (flexplan/coords_hash.py: two lanes over the rows as int64 words,
     kernels_src/plan_hash.py) into the two slots after the problems, summed by atomic adds
     (integer sums do not depend on order); they start at -1 like the table, program 0 adds 1.
-    n_at: kernels_src/row_count.py (n then sizes nmap_t's rows).
+    n_at: kernels_src/row_count.py (nmap_t [V, live rows], as the other planner kernels' maps).
     """
-    cap = n
     n = live_rows(n, n_at)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < n
@@ -117,7 +116,7 @@ def hash_insert_kernel(table_keys, table_vals, coords, n, n_at, slot_mask, nmap,
         tl.store(run + local, tl.where(local % V == V // 2, owner, MISSING), mask=owner < n)
     if MAP_T:
         for c in range(V):
-            tl.store(nmap_t + c * cap.to(tl.int64) + rows, tl.where(c == V // 2, rows, MISSING),
+            tl.store(nmap_t + c * n.to(tl.int64) + rows, tl.where(c == V // 2, rows, MISSING),
                      mask=live)
     active = live & inside
     key = _voxel_key(b, x, y, z, size_x, size_y, size_z, KEY_64)
@@ -177,7 +176,6 @@ def submanifold_neighbor_map_kernel(
     when there is no such j, which is why the map must start as MISSING. n_at: as
     hash_insert_kernel's.
     """
-    cap = n
     n = live_rows(n, n_at)
     V: tl.constexpr = KX * KY * KZ
     HALF: tl.constexpr = V // 2
@@ -200,5 +198,5 @@ def submanifold_neighbor_map_kernel(
     tl.store(nmap + row * V + v, j, mask=hit)
     tl.store(nmap + j.to(tl.int64) * V + (V - 1 - v), row.to(tl.int32), mask=hit)
     if MAP_T:
-        tl.store(nmap_t + v.to(tl.int64) * cap + row, j, mask=hit)
-        tl.store(nmap_t + (V - 1 - v).to(tl.int64) * cap + j, row.to(tl.int32), mask=hit)
+        tl.store(nmap_t + v.to(tl.int64) * n + row, j, mask=hit)
+        tl.store(nmap_t + (V - 1 - v).to(tl.int64) * n + j, row.to(tl.int32), mask=hit)

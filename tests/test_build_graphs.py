@@ -16,6 +16,19 @@ from flexplan.workloads import random_coords
 SHAPE, BATCH = (14, 12, 11), 3
 
 
+@pytest.fixture(params=[0, 1 << 30], ids=["zeros", "large"])
+def poisoned_empty(request, monkeypatch):
+    """torch.empty's int32 / int64 tensors filled with a value (what a graph's reused memory
+    may hold): a kernel that reads what it did not write gives a wrong plan here."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(request.param) if t.dtype in (torch.int32, torch.int64) else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
 def _assert_same(a, b):
     ta, tb = a.tensors(), b.tensors()
     assert ta.keys() == tb.keys()
@@ -24,7 +37,7 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize("kernel", [3, (3, 3, 1)])
-def test_replayed_builds_equal_eager_builds(device, kernel):
+def test_replayed_builds_equal_eager_builds(device, kernel, poisoned_empty):
     geometry = ConvGeometry.make(kernel)
     signal = mirrored_signal_offsets(geometry.volume)
     cap = 1024
@@ -61,10 +74,12 @@ def test_captured_build_is_asked_for_twice_within_its_bounds(monkeypatch):
     ask = lambda n, **kw: build_graphs.captured_build(  # noqa: E731
         n, SHAPE, BATCH, kw.get("geometry", geometry), 14, kw.get("device", cuda),
         kw.get("pairs_max", 1 << 22))
-    assert ask(5000, device=torch.device("cpu")) is None
-    assert ask(100) is None  # below MIN_ROWS
-    assert ask(5000, pairs_max=1000) is None
-    assert ask(5000, geometry=ConvGeometry.make(5)) is None  # 125 offsets: two rank words
+    for _ in range(2):  # (asked twice: a first request alone gets None anyway)
+        assert ask(5000, device=torch.device("cpu")) is None
+        assert ask(100) is None  # below MIN_ROWS
+        assert ask(5000, pairs_max=1000) is None
+        assert ask(5000, geometry=ConvGeometry.make(5)) is None  # 125 offsets: two rank words
+    assert not made
     assert ask(5000) is None and not made  # first request
     assert ask(5100) == "graph" and len(made) == 1  # same bucket, second request
     assert ask(5050) == "graph" and len(made) == 1  # kept
@@ -131,11 +146,11 @@ def test_captured_builds_on_the_gpu():
 
 
 STRIDED = [dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=(3, 1, 1), stride=(2, 1, 1)),
-           dict(kernel_size=2, stride=2, transposed=True)]
+           dict(kernel_size=2, stride=2, transposed=True), dict(kernel_size=4, stride=2)]
 
 
-@pytest.mark.parametrize("args", STRIDED, ids=["k3s2p1", "k311s211", "k2s2T"])
-def test_replayed_strided_builds_equal_eager_builds(device, args):
+@pytest.mark.parametrize("args", STRIDED, ids=["k3s2p1", "k311s211", "k2s2T", "k4s2"])
+def test_replayed_strided_builds_equal_eager_builds(device, args, poisoned_empty):
     """The two graphs of a strided or transposed training build (generative_graphs.py), run
     eagerly: for several input counts in one bucket, the rest eager (an output bucket's
     first sighting) and through the second graph (its next ones), every plan equals the
@@ -157,7 +172,41 @@ def test_replayed_strided_builds_equal_eager_builds(device, args):
         assert (plan.num_out, plan.out_spatial_shape) == (exact.num_out, exact.out_spatial_shape)
         for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd)):
             assert torch.equal(sorted_map_t(gmap).cpu(), sorted_map_t(other).cpu())
-    assert first.eager_rests.kept()  # the second graph's launches ran
+    # the second graph's launches ran, but for 64 offsets (two rank words: the rest eager)
+    assert bool(first.eager_rests.kept()) == (geometry.volume <= 63)
+
+
+def test_eager_rest_after_a_failed_second_capture(device):
+    """A second graph whose capture fails after its first-use pass: that pass left the fwd
+    schedule's look-back state in the first graph's readback, which the eager rest resets."""
+    from flexplan.planner import generative_graphs
+    from flexplan.planner.generative import output_spatial_shape
+    from flexplan.planner.generative_graphs import TOTALS, CapturedRest
+    from flexplan.planner.rank_sort import bucket
+    from flexplan.kernel_configs import PLAN_BLOCK_SIZES
+    from flexplan.planner.segments_triton import SCHEDULE_LAUNCH, schedule_layout
+
+    geometry = ConvGeometry.make(3, stride=2, padding=1, submanifold=False)
+    out_shape = output_spatial_shape(SHAPE, geometry)
+    first = generative_graphs.CapturedCandidates(512, out_shape, BATCH, geometry,
+                                                 torch.device(device), capture=False)
+    coords = random_coords(480, SHAPE, BATCH, generator=torch.Generator().manual_seed(5),
+                           device=device)
+    n = coords.shape[0]
+    first.coords[:n].copy_(coords)
+    first.rows.fill_(n)
+    outputs = first._launches()
+    n_out, pairs = outputs[-1][:TOTALS].tolist()
+    rows = SCHEDULE_LAUNCH["ROWS"]
+    cap_out = -(-bucket(n_out) // rows) * rows
+    rest = CapturedRest(first, cap_out, schedule_layout(cap_out, 27, PLAN_BLOCK_SIZES, 27))
+    rest._launches(outputs)  # the first-use pass, then (say) the capture failed
+    out_coords, fwd, bwd, signal = first._rest_eagerly(outputs, n, n_out, pairs)
+    exact = build_plan(coords.cpu(), SHAPE, BATCH, geometry, backend="torch")
+    assert torch.equal(out_coords.cpu(), exact.out_coords)
+    assert torch.equal(fwd.neighbor_map.cpu(), exact.fwd.neighbor_map)
+    for block in exact.fwd.valid_kernel:
+        assert torch.equal(fwd.valid_kernel[block].cpu(), exact.fwd.valid_kernel[block])
 
 
 @pytest.mark.gpu

@@ -36,7 +36,7 @@ from ..launcher import launch
 from ..plan import PendingCount
 from .graph_registry import CaptureRegistry
 from .hashmap import submanifold_neighbor_map_triton
-from .rank_sort import MAX_ROWS, MIN_ROWS, bucket
+from .rank_sort import MAX_ROWS, MIN_ROWS, bucket, torch_sorts
 from .segments_torch import rank_words
 from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, deferred_pairs_bound,
                               launch_pairs, schedule_launches, schedule_layout)
@@ -77,7 +77,8 @@ def capture_graph(record):
     side = torch.cuda.Stream()
     side.wait_stream(current)
     with torch.cuda.stream(side):
-        record()
+        with torch_sorts():  # (the capture sorts with torch.sort too)
+            record()
         # thread_local: other threads' CUDA calls during the capture do not break it
         graph.capture_begin(capture_error_mode="thread_local")
         try:

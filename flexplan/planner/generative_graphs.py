@@ -6,12 +6,13 @@ everything after it. So its launches are recorded in two graphs. The first, per 
 input rows (and grid, geometry), records the candidates (its kernel reading the live input
 count from device memory, kernels_src/row_count.py: rows past it are padding, their slots
 sorted last), their sort and the run starts; the host then reads the output and pair counts.
-The second, per bucket of output rows, kept by the first, records the rest over the first's
-buffers: the fwd map and output coordinates, the bwd map transposed from it, the fwd map's
+The second, per bucket of output rows (the first's buffers are its inputs), records the
+rest: the fwd map and output coordinates, the bwd map transposed from it, the fwd map's
 schedule and pairs (their kernels reading the live output count, which the run starts left
-on the device). Where the second is not captured yet, the rest runs eagerly over the first's
-buffers, as generative_plan_triton runs it. The plan's buffers are one arena of the second,
-copied out after each replay (build_graphs.py says why).
+on the device; kernels of at most 63 offsets, whose Gray ranks are one word: only then are
+the padding rows ranked last). Where the second is not captured yet, the rest runs eagerly
+over the first's buffers, as generative_plan_triton runs it. The plan's buffers are one arena
+of the second, copied out after each replay (build_graphs.py says why).
 """
 from __future__ import annotations
 
@@ -31,12 +32,14 @@ from .generative_triton import (SENTINEL, TOTALS, candidate_slots, launch_candid
 from .keys import key_dtype
 from .rank_sort import CANDIDATES, MAX_ROWS, MIN_ROWS, bucket, rank_sorter
 from .segments import unscheduled_map
+from .segments_torch import rank_words
 from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, launch_pairs,
                               plan_schedule_triton, readback_bound, schedule_launches,
                               schedule_layout)
 
-# Per candidate, what a first graph holds: keys, taps, ranks, the sort's outputs and buffers.
-CANDIDATE_BYTES = 32
+# Per candidate, what a first graph's pool keeps (the capture's peak): keys, taps and ranks,
+# the stable sort's input, iota, outputs and CUB's double buffers (int64 keys; int32 less).
+CANDIDATE_BYTES = 56
 
 
 class CapturedCandidates:
@@ -115,6 +118,10 @@ class CapturedCandidates:
         """generative_plan_triton's launches after its sync, over this graph's buffers."""
         sorted_keys, order, rank, taps, readback = outputs
         device, v = self.coords.device, self.geometry.volume
+        fwd_readback = readback[self.fwd_at:self.state_at]
+        # -1 as the schedule's look-back expects: a second graph's first-use pass (a capture
+        # that then failed) may have left its state there
+        fwd_readback.fill_(-1)
         fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=device)
         out_coords = torch.empty((n_out, 4), dtype=torch.int32, device=device)
         if pairs:
@@ -122,8 +129,7 @@ class CapturedCandidates:
                            self.total, n, *self.out_shape, self.slots, v,
                            SENTINEL[self.kdtype], True)
         bwd_map = transposed_gather_map(fwd, n)
-        fwd_map, signal, _ = plan_schedule_triton(fwd, PLAN_BLOCK_SIZES, v,
-                                                  readback[self.fwd_at:self.state_at],
+        fwd_map, signal, _ = plan_schedule_triton(fwd, PLAN_BLOCK_SIZES, v, fwd_readback,
                                                   pairs_total=pairs)
         return out_coords, fwd_map, bwd_map, signal
 
@@ -133,6 +139,8 @@ class CapturedCandidates:
         eagerly."""
         cap_out = -(-bucket(n_out) // SCHEDULE_LAUNCH["ROWS"]) * SCHEDULE_LAUNCH["ROWS"]
         v = self.geometry.volume
+        if rank_words(v)[2] != 1:  # (ranks of several words: the padding rows get none)
+            return None
         layout = schedule_layout(cap_out, v, PLAN_BLOCK_SIZES, v)
         if layout.readback_slots > self.state_at - self.fwd_at:  # (its schedule's state)
             return None

@@ -83,8 +83,8 @@ def submanifold_neighbor_map_triton(coords: torch.Tensor, spatial_shape: tuple[i
     [V, N] tensor the kernels fill with the map's transpose too (rows in their own order: the
     gather kernels' layout of an unscheduled map). rows_at: UNREAD_ADDRESS, or the address of
     an int32 count of the rows of coords that live (a build recorded in a CUDA graph for at most
-    coords' rows: planner/build_graphs.py); the map's rows past it stay MISSING, the problems
-    are undefined. out: an int32 [N, V] tensor to write nmap into (else a new one). No host
+    coords' rows: planner/build_graphs.py); the map's rows past it are not written (nothing
+    reads them), the problems are undefined. out: an int32 [N, V] tensor to write nmap into (else a new one). No host
     sync."""
     if lanes and not (flags and spare_slots >= 2):
         raise ValueError("identity lanes need the problem slots and two spare slots")

@@ -22,6 +22,7 @@ queued. FLEXPLAN_SORT_GRAPHS=0 turns captures off.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -39,6 +40,20 @@ KEYS_BUDGET = 1 << 21  # keys of all captured sorts of one purpose together (abo
 RANKS, CANDIDATES = "ranks", "candidates"  # the purposes
 
 _sorts = CaptureRegistry(KEYS_BUDGET)  # per purpose
+_local = threading.local()  # torch_only: see torch_sorts
+
+
+@contextlib.contextmanager
+def torch_sorts():
+    """Within, on this thread, rank_sorter answers torch.sort: for the first-use pass of a
+    graph the caller captures next (build_graphs.capture_graph), whose side stream's sorts
+    would otherwise be requested, and captured, for nothing."""
+    before = getattr(_local, "torch_only", False)
+    _local.torch_only = True
+    try:
+        yield
+    finally:
+        _local.torch_only = before
 
 
 def bucket(rows: int) -> int:
@@ -111,7 +126,8 @@ def rank_sorter(rows: int, words: int, dtype: torch.dtype, device: torch.device,
     caller's own graph capture). Its keys are where the ranks go, its size their padded
     length. purpose: RANKS, or CANDIDATES (the generative plans' keys): separate sorts."""
     if words > 1 or not MIN_ROWS <= rows <= MAX_ROWS or device.type != "cuda" or (
-            torch.cuda.is_current_stream_capturing()):  # (no nested capture)
+            torch.cuda.is_current_stream_capturing()  # (no nested capture)
+            or getattr(_local, "torch_only", False)):
         return TorchSort(rows, words, dtype, device)
     found = _captured_sort(bucket(rows), dtype, device, purpose)
     return TorchSort(rows, words, dtype, device) if found is None else found

@@ -22,12 +22,12 @@ queued. FLEXPLAN_SORT_GRAPHS=0 turns captures off.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
 import torch
 
+from ..thread_setting import ThreadSetting
 from .graph_registry import CaptureRegistry
 from .segments_torch import sort_by_rank
 
@@ -40,20 +40,14 @@ KEYS_BUDGET = 1 << 21  # keys of all captured sorts of one purpose together (abo
 RANKS, CANDIDATES = "ranks", "candidates"  # the purposes
 
 _sorts = CaptureRegistry(KEYS_BUDGET)  # per purpose
-_local = threading.local()  # torch_only: see torch_sorts
+_torch_only = ThreadSetting(False)
 
 
-@contextlib.contextmanager
 def torch_sorts():
-    """Within, on this thread, rank_sorter answers torch.sort: for the first-use pass of a
-    graph the caller captures next (build_graphs.capture_graph), whose side stream's sorts
-    would otherwise be requested, and captured, for nothing."""
-    before = getattr(_local, "torch_only", False)
-    _local.torch_only = True
-    try:
-        yield
-    finally:
-        _local.torch_only = before
+    """A with block within which, on this thread, rank_sorter answers torch.sort: for the
+    first-use pass of a graph the caller captures next (build_graphs.capture_graph), whose side
+    stream's sorts would otherwise be requested, and captured, for nothing."""
+    return _torch_only.set(True)
 
 
 def bucket(rows: int) -> int:
@@ -127,7 +121,7 @@ def rank_sorter(rows: int, words: int, dtype: torch.dtype, device: torch.device,
     length. purpose: RANKS, or CANDIDATES (the generative plans' keys): separate sorts."""
     if words > 1 or not MIN_ROWS <= rows <= MAX_ROWS or device.type != "cuda" or (
             torch.cuda.is_current_stream_capturing()  # (no nested capture)
-            or getattr(_local, "torch_only", False)):
+            or _torch_only.get()):
         return TorchSort(rows, words, dtype, device)
     found = _captured_sort(bucket(rows), dtype, device, purpose)
     return TorchSort(rows, words, dtype, device) if found is None else found

@@ -22,11 +22,11 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable
 
 from ..kernel_configs import KernelConfig, Problem, heuristic_config, splitk_workspace_fits
+from ..thread_setting import ThreadSetting
 from . import table as _table
 from .buckets import Bucket
 from .device import DeviceKey, current_device_index, device_key
@@ -34,7 +34,7 @@ from .device import DeviceKey, current_device_index, device_key
 TUNE_ENV = "FLEXPLAN_TUNE"
 TUNE_MODES = ("off", "background", "ondemand")
 
-_forced = threading.local()
+_forced = ThreadSetting(None)
 _lock = threading.RLock()
 _tables: dict = {}   # device index -> {Bucket: KernelConfig}, this GPU's merged tables
 _memo: dict = {}     # (device index, Bucket) -> KernelConfig, or _HEURISTIC
@@ -51,20 +51,14 @@ TuningHook = Callable[[int, Bucket, str], KernelConfig | None]
 _tuning_hook: TuningHook | None = None
 
 
-@contextmanager
 def forced_config(config: KernelConfig):
-    """Within the block (this thread only), select_config returns `config`: how the tuner
-    measures a config through the ops' own launch code."""
-    previous = getattr(_forced, "config", None)
-    _forced.config = config
-    try:
-        yield
-    finally:
-        _forced.config = previous
+    """A with block within which (this thread only) select_config returns `config`: how the
+    tuner measures a config through the ops' own launch code."""
+    return _forced.set(config)
 
 
 def select_config(family: str, problem: Problem) -> KernelConfig:
-    forced = getattr(_forced, "config", None)
+    forced = _forced.get()
     if forced is not None:
         return forced
     key = (family, problem, current_device_index())
@@ -84,7 +78,7 @@ def answers_epoch() -> int | None:
     """A number that changes whenever select_config's answers may (tables loaded, tuned or
     reset), or None while this thread forces a config: a caller may keep an answer under the
     epoch it was given in, and must not keep one given under None."""
-    return None if getattr(_forced, "config", None) is not None else _generation
+    return None if _forced.get() is not None else _generation
 
 
 def config_from(configs: dict, family: str, problem: Problem,

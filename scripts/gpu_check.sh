@@ -2,7 +2,7 @@
 # GPU tests and benchmarks in one go, on the GPU machine (system python with torch + Triton,
 # no network). Carry .whl (platformdirs) and .peers (spconv, from ../shared/tools/peers-for-gpu.sh).
 # Usage: bash scripts/gpu_check.sh [tests] [tests-split] [cuda] [planner] [submconv] [cache] [aot] [table] [tuning] [unet]
-#        [e2e] [layers] [ddp] [precision] [host]
+#        [e2e] [layers] [ddp] [precision] [host] [builds]
 #        (no argument: everything). Results land in scripts/results/ and, if set, in $OUT.
 # The results name the code's commit: on a copied tree whose .git is another commit's, set
 # FLEXPLAN_BENCH_COMMIT (e.g. FLEXPLAN_BENCH_COMMIT=$(git rev-parse --short HEAD) where the
@@ -58,6 +58,8 @@ for step in "${steps[@]}"; do
     ddp)      python3 scripts/bench_ddp.py ;;  # DDP training on 1 and 2 GPUs vs spconv (2-GPU machine)
     precision) python3 scripts/bench_precision.py ;;  # precision modes and BatchNorm folding, step by step vs spconv
     # host cost of a launch (loop) and of named functions inside fresh / repeated U-Net steps
+    # a plan build's host time, eager and replayed from CUDA graphs (submanifold, strided)
+    builds)   python3 scripts/probe_build_graphs.py ;;
     host)     python3 scripts/probe_launch.py \
                 && python3 scripts/probe_host_parts.py --coords fresh \
                 && python3 scripts/probe_host_parts.py --coords same ;;

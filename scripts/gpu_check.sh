@@ -57,9 +57,9 @@ for step in "${steps[@]}"; do
     layers)   python3 scripts/bench_layers.py ;;  # the e2e encoder's layer shapes vs spconv, every dtype
     ddp)      python3 scripts/bench_ddp.py ;;  # DDP training on 1 and 2 GPUs vs spconv (2-GPU machine)
     precision) python3 scripts/bench_precision.py ;;  # precision modes and BatchNorm folding, step by step vs spconv
-    # host cost of a launch (loop) and of named functions inside fresh / repeated U-Net steps
     # a plan build's host time, eager and replayed from CUDA graphs (submanifold, strided)
     builds)   python3 scripts/probe_build_graphs.py ;;
+    # host cost of a launch (loop) and of named functions inside fresh / repeated U-Net steps
     host)     python3 scripts/probe_launch.py \
                 && python3 scripts/probe_host_parts.py --coords fresh \
                 && python3 scripts/probe_host_parts.py --coords same ;;

@@ -49,7 +49,7 @@ BYTES_BUDGET = 1 << 30
 # table, the ranks and their sort (with CUB's buffers), the counts.
 SCRATCH_BYTES_PER_ROW = 80
 
-_builds = CaptureRegistry(BYTES_BUDGET)  # per device
+_builds = CaptureRegistry()  # budget: BYTES_BUDGET per device
 
 
 # False: every build eager, as before session 47 (A/B runs: scripts/bench_precision.py).
@@ -76,16 +76,18 @@ def capture_graph(record):
     current = torch.cuda.current_stream()
     side = torch.cuda.Stream()
     side.wait_stream(current)
-    with torch.cuda.stream(side):
-        with torch_sorts():  # (the capture sorts with torch.sort too)
-            record()
-        # thread_local: other threads' CUDA calls during the capture do not break it
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            outputs = record()
-        finally:
-            graph.capture_end()
-    current.wait_stream(side)
+    try:
+        with torch.cuda.stream(side):
+            with torch_sorts():  # (the capture sorts with torch.sort too)
+                record()
+            # thread_local: other threads' CUDA calls during the capture do not break it
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                outputs = record()
+            finally:
+                graph.capture_end()
+    finally:  # (also when the capture failed: work queued after it follows the first pass's)
+        current.wait_stream(side)
     return graph, outputs
 
 
@@ -194,7 +196,7 @@ def kept_graph(key: tuple, size, capture):
     """The captured build kept under key (its first entry the device index), capture()'s on
     the key's second request (a graph of about size() bytes, within the device's
     BYTES_BUDGET), or None where the caller builds eagerly (graph_registry.py)."""
-    return _builds.get(key, size, key[0], capture,
+    return _builds.get(key, size, key[0], BYTES_BUDGET, capture,
                        "capturing a plan build failed; building this bucket eagerly")
 
 

@@ -58,7 +58,7 @@ class CapturedCandidates:
         self.rows = torch.zeros(1, dtype=torch.int32, device=device)  # the live input count
         self.lock = threading.Lock()
         # (eager, the CPU tests' way: second "graphs" kept here, no device to key or budget by)
-        self.eager_rests = CaptureRegistry(budget=1 << 62)
+        self.eager_rests = CaptureRegistry()
         self.capture = capture
         self.graph = self.outputs = None
         if capture:
@@ -148,7 +148,7 @@ class CapturedCandidates:
         size = lambda: graph_bytes(CapturedRest.places_of(self, cap_out, layout),  # noqa: E731
                                    cap_out)
         if not self.capture:
-            return self.eager_rests.get(cap_out, size, None, make, "")
+            return self.eager_rests.get(cap_out, size, None, 1 << 62, make, "")
         device = self.coords.device
         key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), "rest", id(self),
                cap_out)

@@ -14,18 +14,18 @@ import warnings
 
 
 class CaptureRegistry:
-    """Captured graphs by key, within `budget` (summed size) per pool."""
+    """Captured graphs by key, within a budget (summed size) per pool."""
 
-    def __init__(self, budget: int):
-        self.budget = budget
+    def __init__(self):
         self._kept: dict = {}  # key -> (captured or None where the capture failed, size, pool)
         self._requested: set = set()  # keys asked for once, not captured yet
         self._lock = threading.Lock()
 
-    def get(self, key, size, pool, capture, failed: str):
+    def get(self, key, size, pool, budget: int, capture, failed: str):
         """What is kept under key; else capture()'s answer at the key's second request, when
-        size() more (asked only then) fits the pool's budget; else None. failed: the
-        warning's words for a capture that raised RuntimeError (the exception follows)."""
+        size() more (asked only then) fits the pool's `budget` (the caller's setting of the
+        moment); else None. failed: the warning's words for a capture that raised
+        RuntimeError (the exception follows)."""
         kept = self._kept.get(key)
         if kept is not None:
             return kept[0]
@@ -35,7 +35,7 @@ class CaptureRegistry:
             held = sum(kept_size for found, kept_size, known in self._kept.values()
                        if found is not None and known == pool)
             size = size()
-            if held + size > self.budget:
+            if held + size > budget:
                 return None
             if key not in self._requested:  # the first request: remembered only
                 if len(self._requested) >= 1024:  # (streams and shapes come and go)
@@ -53,7 +53,8 @@ class CaptureRegistry:
 
     def kept(self) -> dict:
         """key -> captured graph, for those kept (not the failures)."""
-        return {key: found for key, (found, _, _) in self._kept.items() if found is not None}
+        with self._lock:
+            return {key: found for key, (found, _, _) in self._kept.items() if found is not None}
 
     def release(self) -> None:
         """Drop every graph kept (their buffers with them) and the requests counted."""

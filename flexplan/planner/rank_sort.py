@@ -39,7 +39,7 @@ BUCKET_STEPS = 4  # buckets per power of two: keys padded by at most 1/4
 KEYS_BUDGET = 1 << 21  # keys of all captured sorts of one purpose together (about 75 MB)
 RANKS, CANDIDATES = "ranks", "candidates"  # the purposes
 
-_sorts = CaptureRegistry(KEYS_BUDGET)  # per purpose
+_sorts = CaptureRegistry()  # budget: KEYS_BUDGET per purpose
 _torch_only = ThreadSetting(False)
 
 
@@ -133,7 +133,8 @@ def _captured_sort(size: int, dtype: torch.dtype, device: torch.device,
     if os.environ.get(SORT_GRAPHS_ENV, "1") == "0":
         return None
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), size, dtype, purpose)
-    return _sorts.get(key, lambda: size, purpose, lambda: CapturedSort(size, dtype, device),
+    return _sorts.get(key, lambda: size, purpose, KEYS_BUDGET,
+                      lambda: CapturedSort(size, dtype, device),
                       f"capturing the planner's sort failed; using torch.sort for {size} keys "
                       "on this stream")
 

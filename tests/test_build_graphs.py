@@ -234,3 +234,33 @@ def test_captured_strided_builds_on_the_gpu():
         for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd)):
             assert torch.equal(sorted_map_t(gmap).cpu(), sorted_map_t(other).cpu())
     build_graphs.release()
+
+
+def test_capture_registry_rules():
+    """Second request captures; sizes per pool within the budget given at each request (a
+    budget lowered later holds); a failed capture is remembered; release forgets all."""
+    from flexplan.planner.graph_registry import CaptureRegistry
+
+    registry, made = CaptureRegistry(), []
+
+    def get(key, size, pool="a", budget=100):
+        return registry.get(key, lambda: size, pool, budget,
+                            lambda: made.append(key) or f"graph {key}", "failed")
+
+    assert get(1, 60) is None and get(1, 60) == "graph 1" and get(1, 60) == "graph 1"
+    assert get(2, 50) is None and get(2, 50) is None  # 60 + 50 > 100 in pool a
+    assert get(3, 50, pool="b") is None and get(3, 50, pool="b") == "graph 3"  # pool b's own
+    assert get(4, 30, budget=80) is None and get(4, 30, budget=80) is None  # a budget of 80
+    # then 100 again: fits (requests past the budget were not counted: its first, its second)
+    assert get(4, 30) is None and get(4, 30) == "graph 4" and made == [1, 3, 4]
+    assert set(registry.kept()) == {1, 3, 4}
+
+    def fail():
+        raise RuntimeError("no")
+
+    assert registry.get(5, lambda: 1, "a", 100, fail, "x") is None
+    with pytest.warns(RuntimeWarning, match="x"):
+        assert registry.get(5, lambda: 1, "a", 100, fail, "x") is None
+    assert registry.get(5, lambda: 1, "a", 100, fail, "x") is None and 5 not in registry.kept()
+    registry.release()
+    assert registry.kept() == {} and get(1, 60) is None

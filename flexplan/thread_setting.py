@@ -1,6 +1,6 @@
 """A per-thread setting changed for the length of a with block: what the tuner forces on
-dispatch (tuning/dispatch.forced_config), the planner's torch-only sorts (planner/rank_sort.
-torch_sorts). Other threads keep the default."""
+dispatch (tuning/dispatch.forced_config), a graph capture's first-use pass (planner/
+graph_registry.FIRST_USE_PASS). Other threads keep the default."""
 from __future__ import annotations
 
 import contextlib

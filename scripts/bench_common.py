@@ -51,6 +51,23 @@ def host_launch_us(launches: int = 2000) -> float:
     return statistics.median(runs)
 
 
+def host_times_us(calls) -> list:
+    """Host microseconds of each callable in `calls`, the GPU drained before each (what one
+    call costs the host when nothing is queued ahead of it)."""
+    import time
+
+    import torch
+
+    times = []
+    for call in calls:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return times
+
+
 def sorted_rows(indices, feats):
     """feats in the order of their [N, 4] coordinates (libraries order outputs differently)."""
     import torch

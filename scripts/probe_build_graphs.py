@@ -18,17 +18,15 @@ from flexplan.planner import build_graphs
 from flexplan.planner.rank_sort import bucket
 from flexplan.workloads import lidar_batch, lidar_scans
 
+from bench_common import host_times_us
+
 
 def host_us(batches, geometry, stride: int) -> list[float]:
-    times = []
-    for batch in batches:
+    def build(batch):
         coords = batch.indices[::stride].contiguous() if stride > 1 else batch.indices
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        build_plan(coords, batch.spatial_shape, batch.batch_size, geometry, check=False)
-        times.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
-    return times
+        return lambda: build_plan(coords, batch.spatial_shape, batch.batch_size, geometry,
+                                  check=False)
+    return host_times_us([build(batch) for batch in batches])
 
 
 def main() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 from triton.testing import do_bench
@@ -19,6 +18,8 @@ import flexplan.nn.spconv as sp
 import flexplan.ops  # noqa: F401
 from flexplan import ConvGeometry, tensor_plan
 from flexplan.workloads import lidar_batch
+
+from bench_common import host_times_us
 
 ops = sys.modules["flexplan.ops.conv"]
 # (level, Ci, Co, strided): the submanifold layers of each level (16-128 channels; a decoder's
@@ -41,14 +42,7 @@ def level_tensors(levels: int):
 
 
 def host_us(fn, calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return statistics.median(host_times_us([fn] * calls))
 
 
 def main():

@@ -17,19 +17,14 @@ import flexplan.ops  # noqa: F401
 from flexplan import ConvGeometry, build_plan, tensor_plan
 from flexplan.workloads import lidar_batch
 
+from bench_common import host_times_us
+
 ops = sys.modules["flexplan.ops.conv"]
 REPS = 30
 
 
 def host_ms(fn, reps=REPS):
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return statistics.median(host_times_us([fn] * reps)) / 1e3
 
 
 def main():

@@ -34,9 +34,9 @@ from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..launcher import launch
 from ..plan import PendingCount
-from .graph_registry import CaptureRegistry
+from .graph_registry import CaptureRegistry, capture_graph
 from .hashmap import submanifold_neighbor_map_triton
-from .rank_sort import MAX_ROWS, MIN_ROWS, bucket, torch_sorts
+from .rank_sort import MAX_ROWS, MIN_ROWS, bucket
 from .segments_torch import rank_words
 from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, deferred_pairs_bound,
                               launch_pairs, schedule_launches, schedule_layout)
@@ -67,28 +67,6 @@ def arena_places(sizes) -> tuple[int, ...]:
     for size in sizes:
         places.append(places[-1] + _aligned(size))
     return tuple(places)
-
-
-def capture_graph(record):
-    """(graph, outputs) of record() recorded in a CUDA graph on a side stream of the current
-    device, after one eager call of it (first-use work: binaries, CUB, the allocator)."""
-    graph = torch.cuda.CUDAGraph()
-    current = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(current)
-    try:
-        with torch.cuda.stream(side):
-            with torch_sorts():  # (the capture sorts with torch.sort too)
-                record()
-            # thread_local: other threads' CUDA calls during the capture do not break it
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                outputs = record()
-            finally:
-                graph.capture_end()
-    finally:  # (also when the capture failed: work queued after it follows the first pass's)
-        current.wait_stream(side)
-    return graph, outputs
 
 
 def _arena(cap: int, volume: int, signal_offsets: int):

@@ -24,13 +24,13 @@ from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
-from .build_graphs import arena_places, capture_graph, enabled, graph_bytes, kept_graph
-from .graph_registry import CaptureRegistry
+from .build_graphs import arena_places, enabled, graph_bytes, kept_graph
+from .graph_registry import CaptureRegistry, capture_graph
 from .generative_triton import (SENTINEL, TOTALS, candidate_slots, launch_candidates,
                                 launch_run_starts, launch_scatter, launch_transpose_map,
-                                run_starts_tiles, transposed_gather_map)
+                                run_starts_tiles, scattered_fwd, transposed_gather_map)
 from .keys import key_dtype
-from .rank_sort import CANDIDATES, MAX_ROWS, MIN_ROWS, bucket, rank_sorter
+from .rank_sort import MAX_ROWS, MIN_ROWS, TorchSort, bucket
 from .segments import unscheduled_map
 from .segments_torch import rank_words
 from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, launch_pairs,
@@ -59,6 +59,7 @@ class CapturedCandidates:
         self.lock = threading.Lock()
         # (eager, the CPU tests' way: second "graphs" kept here, no device to key or budget by)
         self.eager_rests = CaptureRegistry()
+        self.rest_layouts: dict = {}  # output bucket -> its schedule's layout
         self.capture = capture
         self.graph = self.outputs = None
         if capture:
@@ -77,15 +78,12 @@ class CapturedCandidates:
         taps = torch.empty(self.total, dtype=torch.int32, device=device)
         rank = torch.empty(self.total, dtype=torch.int32, device=device)
         sent = SENTINEL[self.kdtype]
-        with rank_sorter(self.total, 1, self.kdtype, device, CANDIDATES) as sorter:
-            launch_candidates(launch, self.coords, sorter.keys, taps, self.cap,
-                              self.rows.data_ptr(), sorter.size, *self.out_shape, self.geometry,
-                              self.slots, sent)
-            sorted_keys, order = sorter.sort()
-            if sorter.size != self.total:  # (a captured sort of a larger bucket: its padding)
-                sorted_keys, order = sorted_keys[:self.total], order[:self.total]
-            launch_run_starts(launch, sorted_keys, rank, readback, self.total, self.state_at,
-                              sent)
+        # (torch.sort: the graph records it; the bucket's padding is this graph's own)
+        sorter = TorchSort(self.total, 1, self.kdtype, device)
+        launch_candidates(launch, self.coords, sorter.keys, taps, self.cap, self.rows.data_ptr(),
+                          sorter.size, *self.out_shape, self.geometry, self.slots, sent)
+        sorted_keys, order = sorter.sort()
+        launch_run_starts(launch, sorted_keys, rank, readback, self.total, self.state_at, sent)
         return sorted_keys, order, rank, taps, readback
 
     def build(self, coords: torch.Tensor, in_shape: tuple[int, int, int],
@@ -116,18 +114,13 @@ class CapturedCandidates:
 
     def _rest_eagerly(self, outputs, n: int, n_out: int, pairs: int):
         """generative_plan_triton's launches after its sync, over this graph's buffers."""
-        sorted_keys, order, rank, taps, readback = outputs
-        device, v = self.coords.device, self.geometry.volume
+        v, readback = self.geometry.volume, outputs[-1]
         fwd_readback = readback[self.fwd_at:self.state_at]
         # -1 as the schedule's look-back expects: a second graph's first-use pass (a capture
         # that then failed) may have left its state there
         fwd_readback.fill_(-1)
-        fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=device)
-        out_coords = torch.empty((n_out, 4), dtype=torch.int32, device=device)
-        if pairs:
-            launch_scatter(launch, sorted_keys, order, rank, taps, fwd, fwd, out_coords,
-                           self.total, n, *self.out_shape, self.slots, v,
-                           SENTINEL[self.kdtype], True)
+        fwd, out_coords = scattered_fwd(outputs[:4], self.total, n, n_out, pairs, self.out_shape,
+                                        self.slots, v, SENTINEL[self.kdtype])
         bwd_map = transposed_gather_map(fwd, n)
         fwd_map, signal, _ = plan_schedule_triton(fwd, PLAN_BLOCK_SIZES, v, fwd_readback,
                                                   pairs_total=pairs)
@@ -137,11 +130,13 @@ class CapturedCandidates:
         """The second graph for n_out output rows (captured at its bucket's second request,
         within the device's budget: build_graphs.kept_graph), or None: the rest runs
         eagerly."""
-        cap_out = -(-bucket(n_out) // SCHEDULE_LAUNCH["ROWS"]) * SCHEDULE_LAUNCH["ROWS"]
         v = self.geometry.volume
         if rank_words(v)[2] != 1:  # (ranks of several words: the padding rows get none)
             return None
-        layout = schedule_layout(cap_out, v, PLAN_BLOCK_SIZES, v)
+        cap_out = -(-bucket(n_out) // SCHEDULE_LAUNCH["ROWS"]) * SCHEDULE_LAUNCH["ROWS"]
+        layout = self.rest_layouts.get(cap_out)
+        if layout is None:  # (a pure function of cap_out: made once, not every build)
+            layout = self.rest_layouts[cap_out] = schedule_layout(cap_out, v, PLAN_BLOCK_SIZES, v)
         if layout.readback_slots > self.state_at - self.fwd_at:  # (its schedule's state)
             return None
         make = lambda: CapturedRest(self, cap_out, layout)  # noqa: E731

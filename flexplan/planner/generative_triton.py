@@ -160,11 +160,8 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
                            sent, False)
             bwd_map = plan_schedule_triton(bwd, PLAN_BLOCK_SIZES, 0, readback[TOTALS:fwd_at], 0,
                                            layout, pairs_total=0)[0]
-        fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=device)
-        out_coords = torch.empty((n_out, 4), dtype=torch.int32, device=device)
-        if pairs:
-            launch_scatter(launch, *scatter, fwd, fwd, out_coords, total, n, *out_shape, slots,
-                           v, sent, True)
+        fwd, out_coords = scattered_fwd(scatter, total, n, n_out, pairs, out_shape, slots, v,
+                                        sent)
     del scatter, sorted_keys, order, rank, taps
     if training and not schedule_bwd:
         bwd_map = transposed_gather_map(fwd, n)
@@ -177,6 +174,19 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
         geometry=geometry, batch_size=batch_size, in_spatial_shape=tuple(spatial_shape),
         out_spatial_shape=out_shape, num_in=n, num_out=n_out, out_coords=out_coords, fwd=fwd_map,
         bwd=bwd_map, **signal_fields(signal, device, training))
+
+
+def scattered_fwd(scatter: tuple, total: int, n_in: int, n_out: int, pairs: int,
+                  out_shape: tuple[int, int, int], slots: int, v: int, sent: int):
+    """(fwd map [n_out, V], out_coords [n_out, 4]) from the sorted candidates (scatter: sorted
+    keys, order, rank, taps; `total` of them, padding included) after the build's sync."""
+    device = scatter[0].device
+    fwd = torch.full((n_out, v), MISSING, dtype=torch.int32, device=device)
+    out_coords = torch.empty((n_out, 4), dtype=torch.int32, device=device)
+    if pairs:
+        launch_scatter(launch, *scatter, fwd, fwd, out_coords, total, n_in, *out_shape, slots, v,
+                       sent, True)
+    return fwd, out_coords
 
 
 def transposed_map_triton(fwd: torch.Tensor, num_in: int) -> torch.Tensor:

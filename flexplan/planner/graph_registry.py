@@ -1,4 +1,5 @@
-"""CUDA graphs the planner captures on a key's second request, within a budget.
+"""CUDA graphs the planner captures on a key's second request, within a budget, and how it
+captures one (capture_graph).
 
 The planner's captured sorts (rank_sort.py) and captured builds (build_graphs.py,
 generative_graphs.py) each serve a bucket of sizes. A capture costs milliseconds and holds
@@ -11,6 +12,39 @@ from __future__ import annotations
 
 import threading
 import warnings
+
+import torch
+
+from ..thread_setting import ThreadSetting
+
+# True on a thread inside capture_graph's first-use pass: the planner's captured sorts are not
+# asked for there (rank_sort.rank_sorter answers torch.sort), since that pass runs on a side
+# stream whose sorts would otherwise be requested, and captured, for nothing.
+FIRST_USE_PASS = ThreadSetting(False)
+
+
+def capture_graph(record, device: torch.device | None = None):
+    """(graph, outputs) of record() recorded in a CUDA graph on a side stream of `device`
+    (default: the current one), after one eager call of it (first-use work: binaries, CUB, the
+    allocator). The current stream waits for the side stream whatever happens, so work queued
+    after a failed capture follows the first-use pass."""
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    try:
+        with torch.cuda.stream(side):
+            with FIRST_USE_PASS.set(True):
+                record()
+            # thread_local: other threads' CUDA calls during the capture do not break it
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                outputs = record()
+            finally:
+                graph.capture_end()
+    finally:
+        current.wait_stream(side)
+    return graph, outputs
 
 
 class CaptureRegistry:

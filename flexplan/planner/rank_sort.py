@@ -27,8 +27,7 @@ import threading
 
 import torch
 
-from ..thread_setting import ThreadSetting
-from .graph_registry import CaptureRegistry
+from .graph_registry import FIRST_USE_PASS, CaptureRegistry, capture_graph
 from .segments_torch import sort_by_rank
 
 SORT_GRAPHS_ENV = "FLEXPLAN_SORT_GRAPHS"
@@ -40,14 +39,6 @@ KEYS_BUDGET = 1 << 21  # keys of all captured sorts of one purpose together (abo
 RANKS, CANDIDATES = "ranks", "candidates"  # the purposes
 
 _sorts = CaptureRegistry()  # budget: KEYS_BUDGET per purpose
-_torch_only = ThreadSetting(False)
-
-
-def torch_sorts():
-    """A with block within which, on this thread, rank_sorter answers torch.sort: for the
-    first-use pass of a graph the caller captures next (build_graphs.capture_graph), whose side
-    stream's sorts would otherwise be requested, and captured, for nothing."""
-    return _torch_only.set(True)
 
 
 def bucket(rows: int) -> int:
@@ -85,19 +76,8 @@ class CapturedSort:
         self.size = size
         self.keys = torch.empty(size, dtype=dtype, device=device)
         self.lock = threading.Lock()
-        self.graph = torch.cuda.CUDAGraph()
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            torch.sort(self.keys, stable=True)  # first-use work (CUB, allocator): not captured
-            # thread_local: other threads' CUDA calls during the capture do not break it
-            self.graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self.sorted, self.order = torch.sort(self.keys, stable=True)
-            finally:
-                self.graph.capture_end()
-        current.wait_stream(side)
+        self.graph, (self.sorted, self.order) = capture_graph(
+            lambda: torch.sort(self.keys, stable=True), device)
 
     def __enter__(self):
         self.lock.acquire()
@@ -121,7 +101,7 @@ def rank_sorter(rows: int, words: int, dtype: torch.dtype, device: torch.device,
     length. purpose: RANKS, or CANDIDATES (the generative plans' keys): separate sorts."""
     if words > 1 or not MIN_ROWS <= rows <= MAX_ROWS or device.type != "cuda" or (
             torch.cuda.is_current_stream_capturing()  # (no nested capture)
-            or _torch_only.get()):
+            or FIRST_USE_PASS.get()):  # (graph_registry.capture_graph's first-use pass)
         return TorchSort(rows, words, dtype, device)
     found = _captured_sort(bucket(rows), dtype, device, purpose)
     return TorchSort(rows, words, dtype, device) if found is None else found

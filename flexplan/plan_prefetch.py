@@ -34,7 +34,6 @@ from .cache import cached_plan
 from .cache.key import derived_identity
 from .geometry import ConvGeometry
 from .plan import ConvPlan
-from .planner import host_wait
 from .planner.generative import output_spatial_shape
 
 PREFETCH_ENV = "FLEXPLAN_PLAN_PREFETCH"
@@ -49,11 +48,6 @@ MAX_RECIPES = 8
 # wait its own kernels, and the submanifold builds' kernels run while the host goes on to
 # the forward. False: the recorded order (for A/B runs, scripts/bench_precision.py).
 STRIDED_FIRST = True
-# While a strided build waits for its output count, build the submanifold plans whose
-# coordinates exist already (planner/host_wait.py): the host works through the GPU's latency
-# instead of idling, and the wait still covers the strided build's own kernels only (its
-# counts are read behind an event). False: each wait idles, as before session 48 (A/B runs).
-FILL_WAITS = True
 
 
 def mode() -> str:
@@ -199,37 +193,16 @@ def _merged(recording: list) -> list:
 def _prefetch(steps: _Steps, x, node: tuple, recipe: list) -> None:
     """Build (or find in the cache) every plan of `recipe` over x's coordinates and the
     coordinates its strided plans make, here: the strided plans first, in the recorded order,
-    then the submanifold ones (STRIDED_FIRST), those whose coordinates exist already built
-    while a strided build waits for the GPU (FILL_WAITS); the first failure raises."""
+    then the submanifold ones (STRIDED_FIRST); the first failure raises."""
     coords_of = {(): x.coords}  # path -> coordinates (a strided entry builds them for later ones)
     entries = _plan_entries(steps, x, node, recipe)
     if STRIDED_FIRST:  # (stable: each strided entry still follows the ones it depends on)
         entries.sort(key=lambda entry: entry[1].submanifold)
-
-    def build(entry) -> None:
-        path, geometry, training, scheduled, grid, ident, key = entry
+    for path, geometry, training, scheduled, grid, ident, key in entries:
         plan = _cached(coords_of[path], grid, x.batch_size, geometry, ident, training, scheduled)
         if not geometry.submanifold:
             coords_of[path + (geometry,)] = plan.out_coords
         steps.prefetched[key] = plan
-
-    waiting = [entry for entry in entries if entry[1].submanifold]
-
-    def ready_submanifold_builds() -> None:  # (in a strided build's wait: planner/host_wait.py)
-        for entry in [entry for entry in waiting if entry[0] in coords_of]:
-            waiting.remove(entry)
-            build(entry)
-
-    for entry in entries:
-        if entry[1].submanifold:
-            if entry in waiting:  # (else built in a wait already)
-                waiting.remove(entry)
-                build(entry)
-        elif FILL_WAITS and STRIDED_FIRST and waiting:
-            with host_wait.filled_with(ready_submanifold_builds):
-                build(entry)
-        else:
-            build(entry)
 
 
 def _plan_entries(steps: _Steps, x, node: tuple, recipe: list) -> list:

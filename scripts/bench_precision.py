@@ -88,10 +88,6 @@ VARIANTS = {"flexplan-fused": {"fuse": True},
             # (planner/build_graphs.py: replayed from CUDA graphs)
             "flexplan-eager-builds": {"settings": (
                 ("flexplan.planner.build_graphs", "CAPTURE_BUILDS", False),)},
-            # each strided build's wait for its counts idle, as before session 48
-            # (plan_prefetch.FILL_WAITS: submanifold builds done in it)
-            "flexplan-idle-waits": {"settings": (
-                ("flexplan.plan_prefetch", "FILL_WAITS", False),)},
             "flexplan-no-graph-ops": {"settings": (
                 ("flexplan.plan", "_register_token", lambda plan: None),
                 ("flexplan.nn.spconv_layers", "sparse_conv",
@@ -121,7 +117,6 @@ _VARIANT_LABELS = {
     "flexplan-no-graph-ops": "flexplan without graph-op costs / flexplan fp16",
     "flexplan-dgrad-weight-copy": "flexplan dgrad over a weight copy / flexplan fp16",
     "flexplan-eager-builds": "flexplan eager builds / flexplan fp16",
-    "flexplan-idle-waits": "flexplan idle waits / flexplan fp16",
 }
 VARIANT_RATIOS = {name: (label, (name, "fp16"), ("flexplan", "fp16"))
                   for name, label in _VARIANT_LABELS.items()}

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from flexplan import ConvGeometry, build_plan
-from flexplan.planner import host_wait
 from flexplan.planner.generative_triton import candidate_slots
 from flexplan.workloads import random_coords
 
@@ -52,31 +51,6 @@ def test_triton_plan_equals_torch_oracle(case, device):
         oracle = build_plan(coords, shape, 2, geom, backend="torch")
         plan = build_plan(coords.to(device), shape, 2, geom, backend="triton")
         assert_same_plans(oracle, plan)
-
-
-def test_work_handed_to_a_build_wait_runs_once_there_and_changes_no_plan(device):
-    """planner/host_wait.py: work handed for the block of a strided build runs once, at the
-    build's count read (the build's kernels queued before it), and a submanifold build made in
-    it waits plainly; the plans equal those built without any work handed."""
-    shape, geom = CASES[0][5], geometry(CASES[0])
-    subm = ConvGeometry.make(3)
-    coords = random_coords(60, shape, 2, generator=torch.Generator().manual_seed(5)).to(device)
-    plain = build_plan(coords, shape, 2, geom, backend="triton")
-    plain_subm = build_plan(coords, shape, 2, subm, backend="triton", check=False)
-    made = []
-
-    def work():
-        made.append(build_plan(coords, shape, 2, subm, backend="triton", check=False))
-
-    with host_wait.filled_with(work):
-        plan = build_plan(coords, shape, 2, geom, backend="triton")
-        assert len(made) == 1
-        again = build_plan(coords, shape, 2, geom, backend="triton")  # (the work is spent)
-    assert len(made) == 1
-    for a, b in ((plain, plan), (plain, again), (plain_subm, made[0])):
-        assert_same_plans(a, b)
-    build_plan(coords, shape, 2, geom, backend="triton")  # outside the block: no work
-    assert len(made) == 1
 
 
 def test_maps_only_plans_equal_the_torch_oracle(device):

@@ -215,48 +215,6 @@ def test_prefetch_builds_strided_plans_before_submanifold_ones(log, monkeypatch)
     assert [g.submanifold for _, g, _ in log] == [True, False, True, False, True]
 
 
-def test_prefetch_builds_ready_submanifold_plans_while_a_strided_build_waits(log, monkeypatch):
-    """While a strided build waits for its counts (planner/host_wait.py), the prefetch builds
-    the submanifold plans whose coordinates exist: those of the strided build's input level,
-    not those of the level it is making. (On the CPU a strided build's torch path has no such
-    wait: each strided request here first waits as the Triton build does.) The layers get the
-    plans they would have got; FILL_WAITS False leaves each wait idle."""
-    from flexplan.planner import host_wait
-
-    cached = plan_prefetch._cached
-
-    def waiting_cached(coords, grid_shape, batch_size, geometry, *args):
-        if not geometry.submanifold:
-            log.append("wait")
-            host_wait.read_counts(torch.zeros(2, dtype=torch.int64))
-        return cached(coords, grid_shape, batch_size, geometry, *args)
-
-    monkeypatch.setattr(plan_prefetch, "_cached", waiting_cached)
-    net = network()
-    run(net, seed=1)
-    run(net, seed=2)
-    log.clear()
-    out = run(net, seed=3, backward=True)
-    # ("wait" logged as a strided request arrives; the request itself after its wait)
-    levels = [entry if entry == "wait" else (entry[0], entry[1].submanifold) for entry in log]
-    rows = {entry[0] for entry in log if entry != "wait"}
-    assert len(rows) == 3  # three coordinate sets
-    kinds = [entry if entry == "wait" else entry[1] for entry in levels]
-    assert kinds == ["wait", True, False, "wait", True, False, True], levels
-    # the submanifold plan built in each wait is over that strided build's input coordinates
-    assert levels[1][0] == levels[2][0] and levels[4][0] == levels[5][0]
-    feats, indices, grads = reference(3, monkeypatch=monkeypatch)
-    assert torch.equal(out.indices, indices)
-    torch.testing.assert_close(out.features, feats, rtol=0, atol=0)
-    for p, g in zip(net.parameters(), grads):
-        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
-    monkeypatch.setattr(plan_prefetch, "FILL_WAITS", False)
-    log.clear()
-    run(net, seed=4)
-    assert [e if e == "wait" else e[1].submanifold for e in log] == [
-        "wait", False, "wait", False, True, True, True]
-
-
 def test_prefetch_keeps_a_pools_maps_only_request(log, monkeypatch):
     """A pool asks for a maps-only plan (no fwd schedule); the prefetch builds the same kind,
     and the step equals the one the layers build."""

@@ -26,7 +26,6 @@ from ..launcher import launch
 from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
 from .build_graphs import arena_places, enabled, graph_bytes, kept_graph
 from .graph_registry import CaptureRegistry, capture_graph
-from .host_wait import read_counts
 from .generative_triton import (SENTINEL, TOTALS, candidate_slots, launch_candidates,
                                 launch_run_starts, launch_scatter, launch_transpose_map,
                                 run_starts_tiles, scattered_fwd, transposed_gather_map)
@@ -100,7 +99,7 @@ class CapturedCandidates:
                 self.graph.replay()
                 outputs = self.outputs
             readback = outputs[-1]
-            n_out, pairs = read_counts(readback[:TOTALS])  # the one host sync (host_wait.py)
+            n_out, pairs = readback[:TOTALS].tolist()  # the one host sync
             pairs = max(pairs, 0)  # -1: no candidate at all
             rest = self._second(n_out) if pairs else None
             if rest is not None:

@@ -33,7 +33,6 @@ from ..kernels_src import plan_generative as kernels
 from ..launch_spec import ADDRESS, INT32, INT64, KEYS, SIZE, UNREAD_ADDRESS
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, GatherMap, signal_fields, with_sorted_map_t
-from .host_wait import read_counts
 from .keys import key_dtype
 from .rank_sort import CANDIDATES, rank_sorter
 from . import segments
@@ -152,7 +151,7 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
         sorted_keys, order = sorter.sort()
         launch_run_starts(launch, sorted_keys, rank, readback, total, state_at, sent)
         scatter = (sorted_keys, order, rank, taps)
-        n_out, pairs = read_counts(readback[:TOTALS])  # the one host sync (host_wait.py)
+        n_out, pairs = readback[:TOTALS].tolist()  # the one host sync
         pairs = max(pairs, 0)  # -1: no candidate at all
         bwd_map = None
         if schedule_bwd:  # queued after the sync: the host does not wait for its schedule

@@ -73,7 +73,8 @@ def wrap(spec: str) -> None:
     if "." in qualname:
         cls_name, attr = qualname.split(".")
         owner = getattr(module, cls_name)
-    raw = owner.__dict__[attr]
+    # (inherited: a class's C method such as torch.Tensor.tolist, set on the class itself)
+    raw = owner.__dict__[attr] if attr in owner.__dict__ else getattr(owner, attr)
     is_static = isinstance(raw, staticmethod)
     fn = raw.__func__ if is_static else raw
     wrapped = _timed(qualname, fn)

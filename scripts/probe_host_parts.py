@@ -156,6 +156,22 @@ def main() -> None:
     for name, (calls, seconds) in sorted(_clock.items(), key=lambda kv: -kv[1][1]):
         print(f"  {name:42s} {calls / steps:7.1f} calls {seconds / steps * 1e3:8.3f} ms/step "
               f"{seconds / calls * 1e6:8.1f} us/call")
+    print_kept_graphs()
+
+
+def print_kept_graphs() -> None:
+    """The plan builds' captured graphs at the end: kept, failed, their estimated bytes against
+    the budget, keys asked for once (planner/graph_registry.py), and the device's memory."""
+    from flexplan.planner import build_graphs
+
+    registry = build_graphs._builds  # (a probe's look inside)
+    entries = list(registry._kept.values())
+    kept = [size for found, size, _ in entries if found is not None]
+    print(f"build graphs: {len(kept)} kept ({sum(kept) / 2**20:.0f} MiB estimated, budget "
+          f"{build_graphs.BYTES_BUDGET / 2**20:.0f} MiB), {len(entries) - len(kept)} failed, "
+          f"{len(registry._requested)} keys asked for once; device memory allocated "
+          f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB, reserved "
+          f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB")
 
 
 if __name__ == "__main__":

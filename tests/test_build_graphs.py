@@ -264,3 +264,48 @@ def test_capture_registry_rules():
     assert registry.get(5, lambda: 1, "a", 100, fail, "x") is None and 5 not in registry.kept()
     registry.release()
     assert registry.kept() == {} and get(1, 60) is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4095, 4096, 5000, 99000, 123000, 1 << 20])
+def test_room_buckets(rows):
+    """bucket(rows) first, then every larger bucket within the room, none past it."""
+    from flexplan.planner.rank_sort import bucket, room_buckets
+
+    caps = room_buckets(rows, 4 / 3)
+    assert caps[0] == bucket(rows) and caps == sorted(set(caps))
+    assert all(bucket(cap) == cap for cap in caps) and caps[-1] <= max(caps[0], 4 / 3 * rows)
+    assert bucket(caps[-1] + 1) > 4 / 3 * rows
+
+
+def test_a_request_replays_the_smallest_kept_graph_within_its_room():
+    """graph_registry.roomy_graph: a kept graph of any bucket in the room serves (the smallest
+    first) without counting a request; else the request is for the largest bucket."""
+    from flexplan.planner.graph_registry import CaptureRegistry, roomy_graph
+
+    registry, made = CaptureRegistry(), []
+
+    def ask(caps):
+        return roomy_graph(registry, caps, lambda cap: ("k", cap), lambda cap: registry.get(
+            ("k", cap), lambda: 1, "a", 100, lambda: made.append(cap) or f"graph {cap}", ""))
+
+    assert ask([10, 12]) is None and ask([10, 12, 14]) is None  # requests for 12, then 14
+    assert ask([8, 10, 12]) == "graph 12" and made == [12]  # 12's second request
+    assert ask([10, 12, 14]) == "graph 12" and ask([12]) == "graph 12"  # kept, in the room
+    assert ask([14]) == "graph 14" and made == [12, 14]
+    assert ask([12, 14]) == "graph 12" and ask([13, 14]) == "graph 14"  # the smallest kept
+    assert ask([16]) is None and ask([]) is None and made == [12, 14]
+
+
+def test_captured_build_replays_a_larger_kept_bucket(monkeypatch):
+    """A build of fewer rows than a kept graph's bucket, within the room, replays that graph."""
+    made = []
+    monkeypatch.setattr(build_graphs, "CapturedBuild", lambda *a: made.append(a[0]) or a[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    build_graphs.release()
+    ask = lambda n: build_graphs.captured_build(  # noqa: E731
+        n, SHAPE, BATCH, ConvGeometry.make(3), 14, torch.device("cuda", 0), 1 << 22)
+    assert ask(5000) is None and ask(5100) == 6144  # the roomiest bucket of 5000-5100 rows
+    assert ask(4700) == 6144 and ask(6144) == 6144 and made == [6144]  # (4700: 5120 first)
+    assert ask(4500) is None and made == [6144]  # 6144 > 4/3 * 4500: its own request
+    build_graphs.release()

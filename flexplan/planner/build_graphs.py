@@ -5,8 +5,9 @@ lookups, Gray ranks, sort, schedule, pairs, their allocations) costs some 400 us
 on a GPU host, most of it Python and launch overhead, not waiting (scripts/results/
 host_costs.md). Recorded once in a CUDA graph, the same launches replay with one call.
 
-A graph replays fixed launches, so each serves a bucket of row counts (rank_sort.bucket: at
-most 1/4 more rows than live) for one grid, batch size and geometry: its kernels are launched
+A graph replays fixed launches, so each serves a bucket of row counts (rank_sort.bucket; a
+build replays the smallest kept one within graph_registry.ROOM of its rows, a capture takes
+the largest there) for one grid, batch size and geometry: its kernels are launched
 for the bucket's rows and read the live count from device memory (kernels_src/row_count.py),
 written before each replay with the coordinates. Everything sized by the rows is laid out for
 the bucket (the schedule's places, the pairs' room); what the plan's readers need in the live
@@ -34,9 +35,9 @@ from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..launcher import launch
 from ..plan import PendingCount
-from .graph_registry import CaptureRegistry, capture_graph
+from .graph_registry import ROOM, CaptureRegistry, capture_graph, roomy_graph
 from .hashmap import submanifold_neighbor_map_triton
-from .rank_sort import MAX_ROWS, MIN_ROWS, bucket
+from .rank_sort import MAX_ROWS, MIN_ROWS, room_buckets
 from .segments_torch import rank_words
 from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, deferred_pairs_bound,
                               launch_pairs, schedule_launches, schedule_layout)
@@ -159,15 +160,15 @@ def captured_build(n: int, shape: tuple[int, int, int], batch_size: int, geometr
     if not MIN_ROWS <= n <= MAX_ROWS or device.type != "cuda" or not enabled() or (
             rank_words(geometry.volume)[2] != 1 or torch.cuda.is_current_stream_capturing()):
         return None
-    cap = bucket(n)
     # (the schedule's chunk tiles divide the bucket: those of 4096+ rows do)
-    if cap % SCHEDULE_LAUNCH["ROWS"] or deferred_pairs_bound(cap, signal_offsets) > pairs_max:
-        return None
-    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), cap, shape,
-           batch_size, geometry, signal_offsets)
-    return kept_graph(
-        key, lambda: graph_bytes(_arena(cap, geometry.volume, signal_offsets)[2], cap),
-        lambda: CapturedBuild(cap, shape, batch_size, geometry, signal_offsets, device))
+    caps = [cap for cap in room_buckets(n, ROOM) if not cap % SCHEDULE_LAUNCH["ROWS"]
+            and deferred_pairs_bound(cap, signal_offsets) <= pairs_max]
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    key_of = lambda cap: (device.index, stream, cap, shape,  # noqa: E731
+                          batch_size, geometry, signal_offsets)
+    return roomy_graph(_builds, caps, key_of, lambda cap: kept_graph(
+        key_of(cap), lambda: graph_bytes(_arena(cap, geometry.volume, signal_offsets)[2], cap),
+        lambda: CapturedBuild(cap, shape, batch_size, geometry, signal_offsets, device)))
 
 
 def kept_graph(key: tuple, size, capture):
@@ -176,6 +177,11 @@ def kept_graph(key: tuple, size, capture):
     BYTES_BUDGET), or None where the caller builds eagerly (graph_registry.py)."""
     return _builds.get(key, size, key[0], BYTES_BUDGET, capture,
                        "capturing a plan build failed; building this bucket eagerly")
+
+
+def builds_registry() -> CaptureRegistry:
+    """The registry of every captured build graph (generative_graphs.py's too)."""
+    return _builds
 
 
 def kept() -> list:

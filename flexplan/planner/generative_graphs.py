@@ -24,13 +24,13 @@ from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
-from .build_graphs import arena_places, enabled, graph_bytes, kept_graph
-from .graph_registry import CaptureRegistry, capture_graph
+from .build_graphs import arena_places, builds_registry as _registry, enabled, graph_bytes, kept_graph
+from .graph_registry import ROOM, CaptureRegistry, capture_graph, roomy_graph
 from .generative_triton import (SENTINEL, TOTALS, candidate_slots, launch_candidates,
                                 launch_run_starts, launch_scatter, launch_transpose_map,
                                 run_starts_tiles, scattered_fwd, transposed_gather_map)
 from .keys import key_dtype
-from .rank_sort import MAX_ROWS, MIN_ROWS, TorchSort, bucket
+from .rank_sort import MAX_ROWS, MIN_ROWS, TorchSort, room_buckets
 from .segments import unscheduled_map
 from .segments_torch import rank_words
 from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, launch_pairs,
@@ -133,21 +133,31 @@ class CapturedCandidates:
         v = self.geometry.volume
         if rank_words(v)[2] != 1:  # (ranks of several words: the padding rows get none)
             return None
-        cap_out = -(-bucket(n_out) // SCHEDULE_LAUNCH["ROWS"]) * SCHEDULE_LAUNCH["ROWS"]
-        layout = self.rest_layouts.get(cap_out)
-        if layout is None:  # (a pure function of cap_out: made once, not every build)
-            layout = self.rest_layouts[cap_out] = schedule_layout(cap_out, v, PLAN_BLOCK_SIZES, v)
-        if layout.readback_slots > self.state_at - self.fwd_at:  # (its schedule's state)
-            return None
-        make = lambda: CapturedRest(self, cap_out, layout)  # noqa: E731
-        size = lambda: graph_bytes(CapturedRest.places_of(self, cap_out, layout),  # noqa: E731
-                                   cap_out)
+        rows = SCHEDULE_LAUNCH["ROWS"]
+        caps = sorted({-(-cap // rows) * rows for cap in room_buckets(n_out, ROOM)})
+        # (those whose schedule's state fits the readback: its room is the first graph's)
+        caps = [cap for cap in caps
+                if self._rest_layout(cap).readback_slots <= self.state_at - self.fwd_at]
+        make = lambda cap: CapturedRest(self, cap, self._rest_layout(cap))  # noqa: E731
+        size = lambda cap: graph_bytes(  # noqa: E731
+            CapturedRest.places_of(self, cap, self._rest_layout(cap)), cap)
         if not self.capture:
-            return self.eager_rests.get(cap_out, size, None, 1 << 62, make, "")
+            return roomy_graph(self.eager_rests, caps, lambda cap: cap, lambda cap:
+                               self.eager_rests.get(cap, lambda: size(cap), None, 1 << 62,
+                                                    lambda: make(cap), ""))
         device = self.coords.device
-        key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), "rest", id(self),
-               cap_out)
-        return kept_graph(key, size, make)
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+        key_of = lambda cap: (device.index, stream, "rest", id(self), cap)  # noqa: E731
+        return roomy_graph(_registry(), caps, key_of, lambda cap: kept_graph(
+            key_of(cap), lambda: size(cap), lambda: make(cap)))
+
+    def _rest_layout(self, cap_out: int):
+        """The fwd schedule's layout of a second graph of cap_out rows (made once per bucket)."""
+        layout = self.rest_layouts.get(cap_out)
+        if layout is None:
+            v = self.geometry.volume
+            layout = self.rest_layouts[cap_out] = schedule_layout(cap_out, v, PLAN_BLOCK_SIZES, v)
+        return layout
 
 
 class CapturedRest:
@@ -233,8 +243,9 @@ def captured_strided_build(n: int, out_shape: tuple[int, int, int], batch_size: 
     if not MIN_ROWS <= n <= MAX_ROWS or device.type != "cuda" or not enabled() or (
             torch.cuda.is_current_stream_capturing()):
         return None
-    cap = bucket(n)
-    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), "candidates", cap,
-           out_shape, batch_size, geometry)
-    return kept_graph(key, lambda: CapturedCandidates.graph_bytes(cap, geometry),
-                      lambda: CapturedCandidates(cap, out_shape, batch_size, geometry, device))
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    key_of = lambda cap: (device.index, stream, "candidates", cap,  # noqa: E731
+                          out_shape, batch_size, geometry)
+    return roomy_graph(_registry(), room_buckets(n, ROOM), key_of, lambda cap: kept_graph(
+        key_of(cap), lambda: CapturedCandidates.graph_bytes(cap, geometry),
+        lambda: CapturedCandidates(cap, out_shape, batch_size, geometry, device)))

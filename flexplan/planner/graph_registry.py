@@ -47,6 +47,26 @@ def capture_graph(record, device: torch.device | None = None):
     return graph, outputs
 
 
+# A request may replay a kept graph of up to a third more rows than it has (the smallest such),
+# and a capture takes the largest bucket within that room: sizes that vary from step to step
+# (an augmented scan's levels, about 10% either way) settle on one graph each instead of one
+# per bucket they touch, so fewer captures (a few milliseconds each) in a job's first steps
+# and less graph memory kept. Padding rows cost the kernels little (they read the live count),
+# the sorts sort them.
+ROOM = 4 / 3
+
+
+def roomy_graph(registry: "CaptureRegistry", caps: list[int], key_of, request):
+    """The graph for a request that fits any bucket of caps (rank_sort.room_buckets, smallest
+    first, those the caller can use): the smallest one kept under key_of(cap), else
+    request(caps[-1]) (the caller's registry.get for that bucket); None without caps."""
+    for cap in caps:
+        found = registry.kept_one(key_of(cap))
+        if found is not None:
+            return found
+    return request(caps[-1]) if caps else None
+
+
 class CaptureRegistry:
     """Captured graphs by key, within a budget (summed size) per pool."""
 
@@ -84,6 +104,12 @@ class CaptureRegistry:
                 warnings.warn(f"flexplan: {failed} ({exc})", RuntimeWarning)
             self._kept[key] = found, size, pool
             return found
+
+    def kept_one(self, key):
+        """The graph kept under key, or None (not captured, failed, or never asked for); no
+        request is counted."""
+        kept = self._kept.get(key)
+        return None if kept is None else kept[0]
 
     def kept(self) -> dict:
         """key -> captured graph, for those kept (not the failures)."""

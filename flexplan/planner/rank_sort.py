@@ -48,6 +48,16 @@ def bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def room_buckets(rows: int, room: float) -> list[int]:
+    """bucket(rows) and the larger buckets of at most room * rows rows, smallest first."""
+    caps = [bucket(rows)]
+    while True:
+        larger = bucket(caps[-1] + 1)
+        if larger > room * rows:
+            return caps
+        caps.append(larger)
+
+
 class TorchSort:
     """Keys [words, rows] (or [rows] for one word) allocated per build, sorted by torch.sort."""
 

@@ -88,6 +88,10 @@ VARIANTS = {"flexplan-fused": {"fuse": True},
             # (planner/build_graphs.py: replayed from CUDA graphs)
             "flexplan-eager-builds": {"settings": (
                 ("flexplan.planner.build_graphs", "CAPTURE_BUILDS", False),)},
+            # each build graph serves its own bucket only, as before session 48
+            # (planner/graph_registry.ROOM: a kept graph of up to a third more rows serves)
+            "flexplan-bucket-graphs": {"settings": (
+                ("flexplan.planner.graph_registry", "ROOM", 1.0),)},
             "flexplan-no-graph-ops": {"settings": (
                 ("flexplan.plan", "_register_token", lambda plan: None),
                 ("flexplan.nn.spconv_layers", "sparse_conv",
@@ -117,6 +121,7 @@ _VARIANT_LABELS = {
     "flexplan-no-graph-ops": "flexplan without graph-op costs / flexplan fp16",
     "flexplan-dgrad-weight-copy": "flexplan dgrad over a weight copy / flexplan fp16",
     "flexplan-eager-builds": "flexplan eager builds / flexplan fp16",
+    "flexplan-bucket-graphs": "flexplan graphs per bucket / flexplan fp16",
 }
 VARIANT_RATIOS = {name: (label, (name, "fp16"), ("flexplan", "fp16"))
                   for name, label in _VARIANT_LABELS.items()}

@@ -35,7 +35,8 @@ from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..launcher import launch
 from ..plan import PendingCount
-from .graph_registry import ROOM, CaptureRegistry, capture_graph, roomy_graph
+from . import graph_registry
+from .graph_registry import CaptureRegistry, capture_graph, roomy_graph
 from .hashmap import submanifold_neighbor_map_triton
 from .rank_sort import MAX_ROWS, MIN_ROWS, room_buckets
 from .segments_torch import rank_words
@@ -161,7 +162,7 @@ def captured_build(n: int, shape: tuple[int, int, int], batch_size: int, geometr
             rank_words(geometry.volume)[2] != 1 or torch.cuda.is_current_stream_capturing()):
         return None
     # (the schedule's chunk tiles divide the bucket: those of 4096+ rows do)
-    caps = [cap for cap in room_buckets(n, ROOM) if not cap % SCHEDULE_LAUNCH["ROWS"]
+    caps = [cap for cap in room_buckets(n, graph_registry.ROOM) if not cap % SCHEDULE_LAUNCH["ROWS"]
             and deferred_pairs_bound(cap, signal_offsets) <= pairs_max]
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     key_of = lambda cap: (device.index, stream, cap, shape,  # noqa: E731

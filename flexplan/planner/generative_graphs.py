@@ -25,7 +25,8 @@ from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
 from .build_graphs import arena_places, builds_registry as _registry, enabled, graph_bytes, kept_graph
-from .graph_registry import ROOM, CaptureRegistry, capture_graph, roomy_graph
+from . import graph_registry
+from .graph_registry import CaptureRegistry, capture_graph, roomy_graph
 from .generative_triton import (SENTINEL, TOTALS, candidate_slots, launch_candidates,
                                 launch_run_starts, launch_scatter, launch_transpose_map,
                                 run_starts_tiles, scattered_fwd, transposed_gather_map)
@@ -134,7 +135,7 @@ class CapturedCandidates:
         if rank_words(v)[2] != 1:  # (ranks of several words: the padding rows get none)
             return None
         rows = SCHEDULE_LAUNCH["ROWS"]
-        caps = sorted({-(-cap // rows) * rows for cap in room_buckets(n_out, ROOM)})
+        caps = sorted({-(-cap // rows) * rows for cap in room_buckets(n_out, graph_registry.ROOM)})
         # (those whose schedule's state fits the readback: its room is the first graph's)
         caps = [cap for cap in caps
                 if self._rest_layout(cap).readback_slots <= self.state_at - self.fwd_at]
@@ -246,6 +247,6 @@ def captured_strided_build(n: int, out_shape: tuple[int, int, int], batch_size: 
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     key_of = lambda cap: (device.index, stream, "candidates", cap,  # noqa: E731
                           out_shape, batch_size, geometry)
-    return roomy_graph(_registry(), room_buckets(n, ROOM), key_of, lambda cap: kept_graph(
+    return roomy_graph(_registry(), room_buckets(n, graph_registry.ROOM), key_of, lambda cap: kept_graph(
         key_of(cap), lambda: CapturedCandidates.graph_bytes(cap, geometry),
         lambda: CapturedCandidates(cap, out_shape, batch_size, geometry, device)))

@@ -162,7 +162,8 @@ def captured_build(n: int, shape: tuple[int, int, int], batch_size: int, geometr
             rank_words(geometry.volume)[2] != 1 or torch.cuda.is_current_stream_capturing()):
         return None
     # (the schedule's chunk tiles divide the bucket: those of 4096+ rows do)
-    caps = [cap for cap in room_buckets(n, graph_registry.ROOM) if not cap % SCHEDULE_LAUNCH["ROWS"]
+    caps = [cap for cap in room_buckets(n, graph_registry.ROOM)
+            if not cap % SCHEDULE_LAUNCH["ROWS"]
             and deferred_pairs_bound(cap, signal_offsets) <= pairs_max]
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     key_of = lambda cap: (device.index, stream, cap, shape,  # noqa: E731

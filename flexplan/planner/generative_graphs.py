@@ -24,7 +24,7 @@ from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
-from .build_graphs import arena_places, builds_registry as _registry, enabled, graph_bytes, kept_graph
+from .build_graphs import arena_places, builds_registry, enabled, graph_bytes, kept_graph
 from . import graph_registry
 from .graph_registry import CaptureRegistry, capture_graph, roomy_graph
 from .generative_triton import (SENTINEL, TOTALS, candidate_slots, launch_candidates,
@@ -149,7 +149,7 @@ class CapturedCandidates:
         device = self.coords.device
         stream = torch._C._cuda_getCurrentRawStream(device.index)
         key_of = lambda cap: (device.index, stream, "rest", id(self), cap)  # noqa: E731
-        return roomy_graph(_registry(), caps, key_of, lambda cap: kept_graph(
+        return roomy_graph(builds_registry(), caps, key_of, lambda cap: kept_graph(
             key_of(cap), lambda: size(cap), lambda: make(cap)))
 
     def _rest_layout(self, cap_out: int):
@@ -247,6 +247,7 @@ def captured_strided_build(n: int, out_shape: tuple[int, int, int], batch_size: 
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     key_of = lambda cap: (device.index, stream, "candidates", cap,  # noqa: E731
                           out_shape, batch_size, geometry)
-    return roomy_graph(_registry(), room_buckets(n, graph_registry.ROOM), key_of, lambda cap: kept_graph(
+    caps = room_buckets(n, graph_registry.ROOM)
+    return roomy_graph(builds_registry(), caps, key_of, lambda cap: kept_graph(
         key_of(cap), lambda: CapturedCandidates.graph_bytes(cap, geometry),
         lambda: CapturedCandidates(cap, out_shape, batch_size, geometry, device)))

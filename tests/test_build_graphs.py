@@ -151,10 +151,10 @@ STRIDED = [dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=(3, 1, 1),
 
 @pytest.mark.parametrize("args", STRIDED, ids=["k3s2p1", "k311s211", "k2s2T", "k4s2"])
 def test_replayed_strided_builds_equal_eager_builds(device, args, poisoned_empty):
-    """The two graphs of a strided or transposed training build (generative_graphs.py), run
-    eagerly: for several input counts in one bucket, the rest eager (an output bucket's
-    first sighting) and through the second graph (its next ones), every plan equals the
-    torch planner's, with its views."""
+    """The two graphs of a strided or transposed build (generative_graphs.py), run eagerly:
+    for several input counts in one bucket, training and inference plans, the rest eager (an
+    output bucket's first sighting) and through the second graph (its next ones), every plan
+    equals the torch planner's, with its views."""
     from flexplan.planner import generative_graphs
     from flexplan.planner.generative import output_spatial_shape
 
@@ -163,17 +163,22 @@ def test_replayed_strided_builds_equal_eager_builds(device, args, poisoned_empty
     cap = 512
     first = generative_graphs.CapturedCandidates(cap, out_shape, BATCH, geometry,
                                                  torch.device(device), capture=False)
-    for seed, n in enumerate((500, 300, cap, 410, 490, 450)):
+    # training and inference plans from one first graph, each kind its own second graphs
+    for seed, (n, training) in enumerate(((500, True), (300, True), (cap, False), (410, True),
+                                          (490, False), (450, True), (470, False))):
         coords = random_coords(n, SHAPE, BATCH, generator=torch.Generator().manual_seed(seed),
                                device=device)
-        plan = first.build(coords, SHAPE, BATCH)
-        exact = build_plan(coords.cpu(), SHAPE, BATCH, geometry, backend="torch")
+        plan = first.build(coords, SHAPE, BATCH, training)
+        exact = build_plan(coords.cpu(), SHAPE, BATCH, geometry, backend="torch",
+                           training=training)
         _assert_same(plan, exact)
+        assert plan.for_training == training and (plan.bwd is None) == (not training)
         assert (plan.num_out, plan.out_spatial_shape) == (exact.num_out, exact.out_spatial_shape)
-        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd)):
+        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd))[:1 + training]:
             assert torch.equal(sorted_map_t(gmap).cpu(), sorted_map_t(other).cpu())
-    # the second graph's launches ran, but for 64 offsets (two rank words: the rest eager)
-    assert bool(first.eager_rests.kept()) == (geometry.volume <= 63)
+    # the second graphs' launches ran, but for 64 offsets (two rank words: the rest eager)
+    kinds = {training for _, training in first.eager_rests.kept()}
+    assert kinds == ({True, False} if geometry.volume <= 63 else set())
 
 
 def test_eager_rest_after_a_failed_second_capture(device):
@@ -201,7 +206,7 @@ def test_eager_rest_after_a_failed_second_capture(device):
     cap_out = -(-bucket(n_out) // rows) * rows
     rest = CapturedRest(first, cap_out, schedule_layout(cap_out, 27, PLAN_BLOCK_SIZES, 27))
     rest._launches(outputs)  # the first-use pass, then (say) the capture failed
-    out_coords, fwd, bwd, signal = first._rest_eagerly(outputs, n, n_out, pairs)
+    out_coords, fwd, bwd, signal = first._rest_eagerly(outputs, n, n_out, pairs, True)
     exact = build_plan(coords.cpu(), SHAPE, BATCH, geometry, backend="torch")
     assert torch.equal(out_coords.cpu(), exact.out_coords)
     assert torch.equal(fwd.neighbor_map.cpu(), exact.fwd.neighbor_map)
@@ -211,9 +216,10 @@ def test_eager_rest_after_a_failed_second_capture(device):
 
 @pytest.mark.gpu
 def test_captured_strided_builds_on_the_gpu():
-    """Strided training builds through build_plan on fresh coordinates: first graphs captured
-    at an input bucket's second build, second graphs at an output bucket's; every plan equals
-    the torch planner's, also after later replays."""
+    """Strided training and inference builds through build_plan on fresh coordinates: first
+    graphs captured at an input bucket's second build (shared by both kinds), second graphs
+    at an output bucket's (per kind); every plan equals the torch planner's, also after later
+    replays."""
     from flexplan.planner import generative_graphs
 
     build_graphs.release()
@@ -223,15 +229,19 @@ def test_captured_strided_builds_on_the_gpu():
     for seed, n in enumerate((20000, 19000, 21000, 19500, 20500, 9000, 8800)):
         coords = random_coords(n, shape, batch, generator=torch.Generator().manual_seed(seed),
                                device="cuda")
-        plans.append((coords, build_plan(coords, shape, batch, geometry, check=False)))
+        for training in (True, False):
+            plans.append((coords, training, build_plan(coords, shape, batch, geometry,
+                                                       check=False, training=training)))
     firsts = [b for b in build_graphs.kept()
               if isinstance(b, generative_graphs.CapturedCandidates)]
     rests = [b for b in build_graphs.kept() if isinstance(b, generative_graphs.CapturedRest)]
-    assert firsts and rests and all(rest.graph is not None for rest in rests)
-    for coords, plan in plans:
-        exact = build_plan(coords.cpu(), shape, batch, geometry, backend="torch")
+    assert firsts and all(rest.graph is not None for rest in rests)
+    assert {rest.training for rest in rests} == {True, False}
+    for coords, training, plan in plans:
+        exact = build_plan(coords.cpu(), shape, batch, geometry, backend="torch",
+                           training=training)
         _assert_same(plan, exact)
-        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd)):
+        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd))[:1 + training]:
             assert torch.equal(sorted_map_t(gmap).cpu(), sorted_map_t(other).cpu())
     build_graphs.release()
 

@@ -168,7 +168,7 @@ def print_kept_graphs() -> None:
     entries = list(registry._kept.values())
     kept = [size for found, size, _ in entries if found is not None]
     print(f"build graphs: {len(kept)} kept ({sum(kept) / 2**20:.0f} MiB estimated, budget "
-          f"{build_graphs.BYTES_BUDGET / 2**20:.0f} MiB), {len(entries) - len(kept)} failed, "
+          f"{build_graphs.bytes_budget(torch.cuda.current_device()) / 2**20:.0f} MiB), {len(entries) - len(kept)} failed, "
           f"{len(registry._requested)} keys asked for once; device memory allocated "
           f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB, reserved "
           f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB")

@@ -29,6 +29,24 @@ def poisoned_empty(request, monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
+def fake_gpu(monkeypatch, memory=80 << 30):
+    """What captured_build asks of a GPU, answered on any machine: no capture running, stream
+    7, `memory` bytes of device memory."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    monkeypatch.setattr(build_graphs, "_device_memory", lambda index: memory)
+
+
+def test_bytes_budget(monkeypatch):
+    """1/40 of the device's memory, at most 2 GiB; BYTES_BUDGET set: that."""
+    fake_gpu(monkeypatch, memory=24 << 30)
+    assert build_graphs.bytes_budget(0) == (24 << 30) // 40
+    fake_gpu(monkeypatch, memory=141 << 30)
+    assert build_graphs.bytes_budget(0) == 2 << 30
+    monkeypatch.setattr(build_graphs, "BYTES_BUDGET", 12345)
+    assert build_graphs.bytes_budget(0) == 12345
+
+
 def _assert_same(a, b):
     ta, tb = a.tensors(), b.tensors()
     assert ta.keys() == tb.keys()
@@ -68,8 +86,7 @@ def test_captured_build_is_asked_for_twice_within_its_bounds(monkeypatch):
     cuda = torch.device("cuda", 0)
     made = []
     monkeypatch.setattr(build_graphs, "CapturedBuild", lambda *a: made.append(a) or "graph")
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    fake_gpu(monkeypatch)
     build_graphs.release()
     ask = lambda n, **kw: build_graphs.captured_build(  # noqa: E731
         n, SHAPE, BATCH, kw.get("geometry", geometry), 14, kw.get("device", cuda),
@@ -93,8 +110,7 @@ def test_a_failed_capture_builds_eagerly_from_then_on(monkeypatch):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(build_graphs, "CapturedBuild", fail)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    fake_gpu(monkeypatch)
     build_graphs.release()
     ask = lambda: build_graphs.captured_build(  # noqa: E731
         5000, SHAPE, BATCH, ConvGeometry.make(3), 14, torch.device("cuda", 0), 1 << 22)
@@ -310,8 +326,7 @@ def test_captured_build_replays_a_larger_kept_bucket(monkeypatch):
     """A build of fewer rows than a kept graph's bucket, within the room, replays that graph."""
     made = []
     monkeypatch.setattr(build_graphs, "CapturedBuild", lambda *a: made.append(a[0]) or a[0])
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    fake_gpu(monkeypatch)
     build_graphs.release()
     ask = lambda n: build_graphs.captured_build(  # noqa: E731
         n, SHAPE, BATCH, ConvGeometry.make(3), 14, torch.device("cuda", 0), 1 << 22)

@@ -17,7 +17,7 @@ are the graph's own, so after each replay they are copied out (device copies) be
 replay can touch them: the plan owns its memory as an eager build's does.
 
 Like rank_sort's sorts, a bucket's graph is recorded the second time a build asks for it (a
-first-use pass, then the capture: a few milliseconds), within BYTES_BUDGET of graph memory for
+first-use pass, then the capture: a few milliseconds), within bytes_budget() of graph memory for
 all of a device's build graphs (graph_registry.py; a submanifold bucket row holds about 440
 bytes); builds past it, or of row counts outside [MIN_ROWS, MAX_ROWS], or while a graph of the
 caller's is being captured, build eagerly. FLEXPLAN_BUILD_GRAPHS=0 turns them off. Only builds that read nothing back qualify:
@@ -26,6 +26,7 @@ one Gray-rank word (at most 63 offsets).
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -44,14 +45,18 @@ from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, de
                               launch_pairs, schedule_launches, schedule_layout)
 
 BUILD_GRAPHS_ENV = "FLEXPLAN_BUILD_GRAPHS"
-# Graph memory of all of a device's captured builds together, estimated (graph_bytes): a fresh
-# U-Net training step of bench_e2e (~110k voxels) keeps about 0.5 GB of graphs.
-BYTES_BUDGET = 1 << 30
+# Graph memory of all of a device's captured builds together, estimated (graph_bytes). One of
+# bench_e2e's networks (~110k voxels a batch) keeps about 0.63 GB for its fresh training steps
+# (session 48, scripts/results/bench_precision.md), its inference builds some more; a process
+# running two networks, or larger scans, twice that. None: 1/40 of the device's memory, at most
+# 2 GiB (2 GB of an 80 GB GPU, 0.6 GB of a 24 GB one); an int: that many bytes. Past it, builds
+# run eagerly.
+BYTES_BUDGET: int | None = None
 # Per bucket row, what a build's graph holds besides its outputs: the coordinates, the hash
 # table, the ranks and their sort (with CUB's buffers), the counts.
 SCRATCH_BYTES_PER_ROW = 80
 
-_builds = CaptureRegistry()  # budget: BYTES_BUDGET per device
+_builds = CaptureRegistry()  # budget: bytes_budget() per device
 
 
 # False: every build eager, as before session 47 (A/B runs: scripts/bench_precision.py).
@@ -173,11 +178,23 @@ def captured_build(n: int, shape: tuple[int, int, int], batch_size: int, geometr
         lambda: CapturedBuild(cap, shape, batch_size, geometry, signal_offsets, device)))
 
 
+def bytes_budget(device_index: int) -> int:
+    """The graph memory the device's captured builds may keep (BYTES_BUDGET)."""
+    if BYTES_BUDGET is not None:
+        return BYTES_BUDGET
+    return min(2 << 30, _device_memory(device_index) // 40)
+
+
+@functools.cache
+def _device_memory(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).total_memory
+
+
 def kept_graph(key: tuple, size, capture):
     """The captured build kept under key (its first entry the device index), capture()'s on
     the key's second request (a graph of about size() bytes, within the device's
     BYTES_BUDGET), or None where the caller builds eagerly (graph_registry.py)."""
-    return _builds.get(key, size, key[0], BYTES_BUDGET, capture,
+    return _builds.get(key, size, key[0], bytes_budget(key[0]), capture,
                        "capturing a plan build failed; building this bucket eagerly")
 
 

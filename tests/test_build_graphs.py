@@ -334,3 +334,58 @@ def test_captured_build_replays_a_larger_kept_bucket(monkeypatch):
     assert ask(4700) == 6144 and ask(6144) == 6144 and made == [6144]  # (4700: 5120 first)
     assert ask(4500) is None and made == [6144]  # 6144 > 4/3 * 4500: its own request
     build_graphs.release()
+
+
+def test_graphs_made_under_inference_mode_serve_builds_outside_it(device):
+    """A graph requested under torch.inference_mode (a strided inference build, a validation
+    loop's) is made outside it: its buffers are normal tensors, which builds outside inference
+    mode may update in place (torch refuses that on inference tensors)."""
+    from flexplan.planner import generative_graphs
+    from flexplan.planner.generative import output_spatial_shape
+    from flexplan.planner.graph_registry import CaptureRegistry
+
+    registry = CaptureRegistry()
+    with torch.inference_mode():
+        for _ in range(2):
+            made = registry.get("k", lambda: 1, "a", 10, lambda: torch.zeros(3), "")
+    assert not made.is_inference()
+    made.fill_(1)  # (raised on an inference tensor)
+    geometry = ConvGeometry.make(3, stride=2, padding=1, submanifold=False)
+    first = generative_graphs.CapturedCandidates(
+        512, output_spatial_shape(SHAPE, geometry), BATCH, geometry, torch.device(device),
+        capture=False)
+    coords = [random_coords(n, SHAPE, BATCH, generator=torch.Generator().manual_seed(n),
+                            device=device) for n in (480, 470, 490)]
+    with torch.inference_mode():  # the inference rest's second request makes it here
+        for c in coords[:2]:
+            first.build(c, SHAPE, BATCH, training=False)
+    assert first.eager_rests.kept()
+    plan = first.build(coords[2], SHAPE, BATCH, training=False)  # and it serves outside
+    _assert_same(plan, build_plan(coords[2].cpu(), SHAPE, BATCH, geometry, backend="torch",
+                                  training=False))
+
+
+def test_strided_first_graphs_replay_a_larger_kept_bucket(monkeypatch):
+    """captured_strided_build takes its room as captured_build does (its first graphs), within
+    MAX_ROWS."""
+    from flexplan.planner import generative_graphs
+    from flexplan.planner.rank_sort import MAX_ROWS
+
+    made = []
+
+    class Made:  # (what captured_strided_build reads of the class: its size, its making)
+        graph_bytes = staticmethod(generative_graphs.CapturedCandidates.graph_bytes)
+
+        def __new__(cls, cap, *args):
+            made.append(cap)
+            return cap
+
+    monkeypatch.setattr(generative_graphs, "CapturedCandidates", Made)
+    fake_gpu(monkeypatch)
+    build_graphs.release()
+    geometry = ConvGeometry.make(3, stride=2, padding=1, submanifold=False)
+    ask = lambda n: generative_graphs.captured_strided_build(  # noqa: E731
+        n, SHAPE, BATCH, geometry, torch.device("cuda", 0))
+    assert ask(5000) is None and ask(5100) == 6144 and ask(4700) == 6144 and made == [6144]
+    assert ask(MAX_ROWS) is None and ask(MAX_ROWS) == MAX_ROWS  # (no room past MAX_ROWS)
+    build_graphs.release()

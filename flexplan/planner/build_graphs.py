@@ -14,7 +14,8 @@ the bucket (the schedule's places, the pairs' room); what the plan's readers nee
 rows' shape is written that way (the map [n, V], map_t [V, n], each block size's segs for the
 live blocks), so the plan equals an eager build's in everything its readers see. Its buffers
 are the graph's own, so after each replay they are copied out (device copies) before the next
-replay can touch them: the plan owns its memory as an eager build's does.
+replay can touch them: the plan owns its memory as an eager build's does (its bucket's arena,
+so up to graph_registry.ROOM times an eager build's).
 
 Like rank_sort's sorts, a bucket's graph is recorded the second time a build asks for it (a
 first-use pass, then the capture: a few milliseconds), within bytes_budget() of graph memory for
@@ -168,7 +169,7 @@ def captured_build(n: int, shape: tuple[int, int, int], batch_size: int, geometr
         return None
     # (the schedule's chunk tiles divide the bucket: those of 4096+ rows do)
     caps = [cap for cap in room_buckets(n, graph_registry.ROOM)
-            if not cap % SCHEDULE_LAUNCH["ROWS"]
+            if cap <= MAX_ROWS and not cap % SCHEDULE_LAUNCH["ROWS"]
             and deferred_pairs_bound(cap, signal_offsets) <= pairs_max]
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     key_of = lambda cap: (device.index, stream, cap, shape,  # noqa: E731
@@ -193,7 +194,7 @@ def _device_memory(device_index: int) -> int:
 def kept_graph(key: tuple, size, capture):
     """The captured build kept under key (its first entry the device index), capture()'s on
     the key's second request (a graph of about size() bytes, within the device's
-    BYTES_BUDGET), or None where the caller builds eagerly (graph_registry.py)."""
+    bytes_budget), or None where the caller builds eagerly (graph_registry.py)."""
     return _builds.get(key, size, key[0], bytes_budget(key[0]), capture,
                        "capturing a plan build failed; building this bucket eagerly")
 

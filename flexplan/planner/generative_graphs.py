@@ -261,7 +261,7 @@ def captured_strided_build(n: int, out_shape: tuple[int, int, int], batch_size: 
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     key_of = lambda cap: (device.index, stream, "candidates", cap,  # noqa: E731
                           out_shape, batch_size, geometry)
-    caps = room_buckets(n, graph_registry.ROOM)
+    caps = [cap for cap in room_buckets(n, graph_registry.ROOM) if cap <= MAX_ROWS]
     return roomy_graph(builds_registry(), caps, key_of, lambda cap: kept_graph(
         key_of(cap), lambda: CapturedCandidates.graph_bytes(cap, geometry),
         lambda: CapturedCandidates(cap, out_shape, batch_size, geometry, device)))

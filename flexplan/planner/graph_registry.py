@@ -99,7 +99,10 @@ class CaptureRegistry:
             self._requested.discard(key)
             found = None
             try:
-                found = capture()
+                # (outside inference mode whatever the request's: a graph's buffers made in it
+                # would be inference tensors, whose in-place updates outside it torch refuses)
+                with torch.inference_mode(False):
+                    found = capture()
             except RuntimeError as exc:
                 warnings.warn(f"flexplan: {failed} ({exc})", RuntimeWarning)
             self._kept[key] = found, size, pool

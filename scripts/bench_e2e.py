@@ -13,9 +13,11 @@ it, host work (plan builds, Python, launches) included.
   amp-bf16 = torch.autocast around an fp32 model, fp16 with a GradScaler; bf16 = model.bfloat16())
   x train (forward, loss, backward, SGD step; BatchNorm training) / infer (eval, no_grad)
   x fresh (a new augmented batch every step, never repeated: each row has its own batches) /
-  same (one batch, the same tensors, every step). spconv and flexplan run back to back per row,
-  on the same batches, the first of the two alternating between rows; a failure is a row's
-  error, never the run's end.
+  same (one batch, the same tensors, every step). spconv and flexplan run on the same batches:
+  each warms up (the first of the two alternating between rows), then they take turns step by
+  step (the order alternating), so that both see the host's speed of the same seconds; the
+  paired speedup is the median of the per-step ratios. A failure is a row's error, never the
+  run's end.
 - Per flexplan run: Triton compilations during the timed steps (new entries in the compile
   caches of the JITFunctions of flexplan.kernels_src, less the binaries the AOT hook put there),
   plan files written to the plan cache directory (a fresh FLEXPLAN_CACHE_DIR per run) and the
@@ -323,29 +325,53 @@ class Context:
     kernels: dict             # flexplan_jit_functions()
 
 
-def run_impl(ctx: Context, impl: str, net_cls, state, mode: Mode, phase: str, batches: list) -> dict:
-    """Warm-up then timed steps of one implementation; its timings and, for flexplan, what it
-    compiled and cached. Exceptions are the caller's to catch."""
-    from flexplan.cache import plan_cache
-
-    sp, device, warmup = ctx.namespaces[impl], ctx.device, ctx.args.warmup
+def prepare_impl(ctx: Context, impl: str, net_cls, state, mode: Mode, phase: str,
+                 batches: list) -> dict:
+    """One implementation's model and step, warmed up on the first batches; the kernel and
+    plan-file counts from before its warm-up. Exceptions are the caller's to catch."""
+    sp, device = ctx.namespaces[impl], ctx.device
     net = build_model(net_cls, sp, state, mode, ctx.sizes, device)
     step = STEP_FNS[phase](net, sp, mode, device)
-    start = kernel_snapshot(ctx.kernels)
-    files_start = plan_files(ctx.plan_dir)
-    timed(step, batches[:warmup], device)
-    before, files_before = kernel_snapshot(ctx.kernels), plan_files(ctx.plan_dir)
-    stats_before = plan_cache.stats()
-    ms = timed(step, batches[warmup:], device)
-    after, files_after = kernel_snapshot(ctx.kernels), plan_files(ctx.plan_dir)
-    result = dict(median_ms=statistics.median(ms), mean_ms=statistics.fmean(ms), ms=[round(t, 3) for t in ms],
-                  sparse_dtype=str(net.last_sparse_dtype).removeprefix("torch."))
-    if impl == "flexplan":
+    start, files_start = kernel_snapshot(ctx.kernels), plan_files(ctx.plan_dir)
+    timed(step, batches[:ctx.args.warmup], device)
+    return dict(net=net, step=step, start=start, files_start=files_start)
+
+
+def timed_in_turns(ctx: Context, prepared: dict, batches: list, row: dict) -> dict:
+    """The implementations' timed steps in turns: step i of each, the order alternating with i,
+    so that both see the host's speed of the same moments (these hosts drift by tens of
+    percent within minutes). impl -> [ms]; an implementation whose step raises gets its error
+    in row and leaves the turns."""
+    ms = {impl: [] for impl in prepared}
+    order = list(prepared)
+    for i, batch in enumerate(batches):
+        for impl in order if i % 2 == 0 else order[::-1]:
+            if impl not in ms:
+                continue
+            try:
+                ms[impl].extend(timed(prepared[impl]["step"], [batch], ctx.device))
+            except Exception as exc:  # one implementation's failure, reported in its cell
+                traceback.print_exc(limit=4)
+                row[impl] = dict(error=short_error(exc))
+                del ms[impl]
+                with contextlib.suppress(Exception):
+                    sync(ctx.device)
+    return ms
+
+
+def result_of(prepared: dict, ms: list[float], counts: dict) -> dict:
+    """One implementation's cell: its timings and, with counts (flexplan's), what it compiled
+    and cached during the timed steps and its warm-up."""
+    result = dict(median_ms=statistics.median(ms), mean_ms=statistics.fmean(ms),
+                  ms=[round(t, 3) for t in ms],
+                  sparse_dtype=str(prepared["net"].last_sparse_dtype).removeprefix("torch."))
+    if counts:
+        before, after = counts["before"], counts["after"]
         result.update(timed_compiles=compile_delta(before, after),
-                      warmup_compiles=compile_delta(start, before),
-                      plan_files_timed=files_after - files_before,
-                      plan_files_warmup=files_before - files_start,
-                      plan_stats_timed=numeric_delta(stats_before, plan_cache.stats()))
+                      warmup_compiles=compile_delta(prepared["start"], before),
+                      plan_files_timed=counts["files_after"] - counts["files_before"],
+                      plan_files_warmup=counts["files_before"] - prepared["files_start"],
+                      plan_stats_timed=counts["stats"])
     return result
 
 
@@ -356,7 +382,8 @@ def short_error(exc: BaseException) -> str:
 
 def run_row(ctx: Context, source: BatchSource, net_name: str, net_cls, state, mode: Mode,
             phase: str, coords: str, first: str) -> dict:
-    """One table row: both implementations back to back (`first` first) on the same batches."""
+    """One table row: both implementations on the same batches, each warmed up (`first`
+    first), then their timed steps in turns (timed_in_turns)."""
     args = ctx.args
     if coords == "fresh":
         batches = source.take(args.warmup + args.steps, mode.input_dtype)
@@ -365,20 +392,33 @@ def run_row(ctx: Context, source: BatchSource, net_name: str, net_cls, state, mo
     row = dict(network=net_name, mode=mode.name, phase=phase, coords=coords,
                voxels=round(statistics.fmean(b.indices.shape[0] for b in batches[args.warmup:])),
                steps=args.steps, warmup=args.warmup, first=first)
+    from flexplan.cache import plan_cache
+
     order = [i for i in IMPLS if i in ctx.namespaces]
     if first != order[0]:
         order.reverse()
+    prepared = {}
     for impl in order:
         try:
-            row[impl] = run_impl(ctx, impl, net_cls, state, mode, phase, batches)
+            prepared[impl] = prepare_impl(ctx, impl, net_cls, state, mode, phase, batches)
         except Exception as exc:  # one row's failure, reported in its cell
             traceback.print_exc(limit=4)
             row[impl] = dict(error=short_error(exc))
             with contextlib.suppress(Exception):
                 sync(ctx.device)
+    # (spconv compiles none of flexplan's kernels and writes no plan file: these are flexplan's)
+    counts = dict(before=kernel_snapshot(ctx.kernels), files_before=plan_files(ctx.plan_dir))
+    stats_before = plan_cache.stats()
+    ms = timed_in_turns(ctx, prepared, batches[args.warmup:], row)
+    counts.update(after=kernel_snapshot(ctx.kernels), files_after=plan_files(ctx.plan_dir),
+                  stats=numeric_delta(stats_before, plan_cache.stats()))
+    for impl, times in ms.items():
+        row[impl] = result_of(prepared[impl], times, counts if impl == "flexplan" else {})
     ref, fx = row.get("spconv", {}), row.get("flexplan", {})
     if "median_ms" in ref and "median_ms" in fx:
         row["speedup"] = ref["median_ms"] / fx["median_ms"]
+        row["paired_speedup"] = statistics.median(
+            s / f for s, f in zip(ref["ms"], fx["ms"]))
     return row
 
 
@@ -404,14 +444,16 @@ def table_line(row: dict) -> str:
         files = str(fx["plan_files_timed"])
         builds = str(fx["plan_stats_timed"].get("builds", 0))
     speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
+    paired = f"{row['paired_speedup']:.2f}x" if "paired_speedup" in row else "-"
     return (f"| {row['network']} | {row['mode']} | {row['phase']} | {row['coords']} | "
             f"{row['voxels']} | {cell_ms(row.get('spconv'))} | {cell_ms(fx or None)} | {speedup} | "
-            f"{compiles} | {files} | {builds} |")
+            f"{paired} | {compiles} | {files} | {builds} |")
 
 
 TABLE_HEAD = ["| network | mode | step | coords | voxels | spconv ms median (mean) | "
-              "flexplan ms median (mean) | speedup | compiles | plan files | plan builds |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "flexplan ms median (mean) | speedup | paired speedup | compiles | plan files | "
+              "plan builds |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def header_lines(ctx: Context, versions: dict, date: str) -> list[str]:
@@ -432,7 +474,10 @@ def header_lines(ctx: Context, versions: dict, date: str) -> list[str]:
 NOTES = [
     "",
     "train: zero_grad, forward, loss, backward, SGD step (BatchNorm in training mode); infer: "
-    "eval, torch.no_grad(), forward. Speedup: spconv median / flexplan median.",
+    "eval, torch.no_grad(), forward. Each implementation warms up on its own, then the two "
+    "take turns step by step (step i of each, the order alternating), so both see the host's "
+    "speed of the same seconds. Speedup: spconv median / flexplan median; paired speedup: the "
+    "median over the timed steps of spconv ms / flexplan ms at the same step.",
     "compiles: Triton JIT compilations during flexplan's timed steps (new compile-cache entries "
     "of the flexplan.kernels_src kernels, less the binaries an AOT bundle handed to the JIT; "
     "a compile may be a load from Triton's own disk cache; +N AOT: bundle binaries loaded). "

@@ -131,3 +131,26 @@ def test_options():
     assert (args.steps, args.warmup, args.networks) == (30, 10, ["encoder", "unet"])
     with pytest.raises(SystemExit):
         bench_e2e.parse_args(["--modes", "fp8"])
+
+
+def test_timed_steps_take_turns_and_a_failing_step_leaves_them():
+    """bench_e2e.timed_in_turns: step i of each implementation, the order alternating with i;
+    one whose step raises gets its error in the row and takes no further turns."""
+    log = []
+
+    def step_of(name, fail_at=None):
+        def step(batch):
+            if batch == fail_at:
+                raise RuntimeError(f"{name} failed")
+            log.append((name, batch))
+        return step
+
+    ctx = SimpleNamespace(device=torch.device("cpu"))
+    prepared = {"spconv": dict(step=step_of("spconv", fail_at=3)),
+                "flexplan": dict(step=step_of("flexplan"))}
+    row = {}
+    ms = bench_e2e.timed_in_turns(ctx, prepared, [0, 1, 2, 3, 4], row)
+    assert log == [("spconv", 0), ("flexplan", 0), ("flexplan", 1), ("spconv", 1),
+                   ("spconv", 2), ("flexplan", 2), ("flexplan", 3), ("flexplan", 4)]
+    assert set(ms) == {"flexplan"} and len(ms["flexplan"]) == 5
+    assert row == {"spconv": {"error": "RuntimeError: spconv failed"}}

@@ -52,8 +52,10 @@ def _pinned_slot(dtype: torch.dtype) -> torch.Tensor:
     with _pinned_lock:
         chunk = _pinned_chunks.get(dtype)
         if chunk is None or chunk[1] == _PINNED_CHUNK_SLOTS:
-            chunk = _pinned_chunks[dtype] = [
-                torch.empty(_PINNED_CHUNK_SLOTS, dtype=dtype, pin_memory=True), 0]
+            # (outside inference mode: its later slots are written outside it too)
+            with torch.inference_mode(False):
+                chunk = _pinned_chunks[dtype] = [
+                    torch.empty(_PINNED_CHUNK_SLOTS, dtype=dtype, pin_memory=True), 0]
         slot = chunk[1]
         chunk[1] = slot + 1
     return chunk[0][slot:slot + 1]

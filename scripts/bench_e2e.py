@@ -354,6 +354,7 @@ def timed_in_turns(ctx: Context, prepared: dict, batches: list, row: dict) -> di
                 traceback.print_exc(limit=4)
                 row[impl] = dict(error=short_error(exc))
                 del ms[impl]
+                prepared.pop(impl)  # (its model freed: the other is timed without it)
                 with contextlib.suppress(Exception):
                     sync(ctx.device)
     return ms

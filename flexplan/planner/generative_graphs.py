@@ -138,6 +138,7 @@ class CapturedCandidates:
             return None
         rows = SCHEDULE_LAUNCH["ROWS"]
         caps = sorted({-(-cap // rows) * rows for cap in room_buckets(n_out, graph_registry.ROOM)})
+        caps = caps[:1] + [cap for cap in caps[1:] if cap <= MAX_ROWS]  # (no room past it)
         # (those whose schedule's state fits the readback: its room is the first graph's)
         layout = lambda cap: self._rest_layout(cap, training)  # noqa: E731
         caps = [cap for cap in caps

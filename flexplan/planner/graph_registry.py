@@ -100,8 +100,9 @@ class CaptureRegistry:
             found = None
             try:
                 # (outside inference mode whatever the request's: a graph's buffers made in it
-                # would be inference tensors, whose in-place updates outside it torch refuses)
-                with torch.inference_mode(False):
+                # would be inference tensors, whose in-place updates outside it torch refuses;
+                # no_grad: leaving inference mode turns gradients on)
+                with torch.inference_mode(False), torch.no_grad():
                     found = capture()
             except RuntimeError as exc:
                 warnings.warn(f"flexplan: {failed} ({exc})", RuntimeWarning)

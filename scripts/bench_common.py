@@ -83,10 +83,13 @@ def time_call(step, b) -> float:
 
     import torch
 
-    torch.cuda.synchronize()
+    cuda = torch.cuda.is_available()  # (CPU smoke runs: nothing to wait for)
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     step(b)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3
 
 
@@ -100,7 +103,8 @@ def time_steps(step, batches, warmup: int) -> float:
     return statistics.median([time_call(step, b) for b in batches[warmup:]])
 
 
-def time_paired(steps: dict, batches, warmup: int, ratio: tuple[str, str] | None = None) -> dict:
+def time_paired(steps: dict, batches, warmup: int, ratio: tuple[str, str] | None = None,
+                failures: dict | None = None) -> dict:
     """Times several implementations of one step call by call on the same batches, so that
     host-speed drift moves them together instead of moving one block of calls against another.
 
@@ -111,7 +115,10 @@ def time_paired(steps: dict, batches, warmup: int, ratio: tuple[str, str] | None
 
     Returns {"ms": {name: median ms}, "times": {name: [ms per timed batch]}, "ratio": the median
     over the timed batches of times[num][k] / times[den][k]}, where (num, den) = `ratio`, by
-    default the first two names of `steps` (None with fewer than two steps)."""
+    default the first two names of `steps` (None with fewer than two steps).
+    failures: a dict to note {name: exception} of a step that raises in a timed call (it then
+    leaves the turns and the results; the ratio is None if it was one of the two); without
+    it, the exception propagates."""
     import statistics
 
     names = list(steps)
@@ -130,9 +137,17 @@ def time_paired(steps: dict, batches, warmup: int, ratio: tuple[str, str] | None
     times = {name: [] for name in names}
     for k, b in enumerate(batches[warmup:]):
         for name in order(k):
-            times[name].append(time_call(steps[name], b))
+            if name not in times:
+                continue
+            try:
+                times[name].append(time_call(steps[name], b))
+            except Exception as exc:
+                if failures is None:
+                    raise
+                failures[name] = exc
+                del times[name]
     paired = None
-    if ratio is not None:
+    if ratio is not None and all(name in times for name in ratio):
         num, den = ratio
         paired = statistics.median([a / b for a, b in zip(times[num], times[den])])
     return {"ms": {name: statistics.median(t) for name, t in times.items()}, "times": times,

@@ -55,6 +55,7 @@ from torch.profiler import record_function
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
+from bench_common import time_paired  # noqa: E402
 RESULTS = SCRIPTS / "results" / "bench_e2e.md"
 IMPLS = ("spconv", "flexplan")
 
@@ -337,29 +338,6 @@ def prepare_impl(ctx: Context, impl: str, net_cls, state, mode: Mode, phase: str
     return dict(net=net, step=step, start=start, files_start=files_start)
 
 
-def timed_in_turns(ctx: Context, prepared: dict, batches: list, row: dict) -> dict:
-    """The implementations' timed steps in turns: step i of each, the order alternating with i,
-    so that both see the host's speed of the same moments (these hosts drift by tens of
-    percent within minutes). impl -> [ms]; an implementation whose step raises gets its error
-    in row and leaves the turns."""
-    ms = {impl: [] for impl in prepared}
-    order = list(prepared)
-    for i, batch in enumerate(batches):
-        for impl in order if i % 2 == 0 else order[::-1]:
-            if impl not in ms:
-                continue
-            try:
-                ms[impl].extend(timed(prepared[impl]["step"], [batch], ctx.device))
-            except Exception as exc:  # one implementation's failure, reported in its cell
-                traceback.print_exc(limit=4)
-                row[impl] = dict(error=short_error(exc))
-                del ms[impl]
-                prepared.pop(impl)  # (its model freed: the other is timed without it)
-                with contextlib.suppress(Exception):
-                    sync(ctx.device)
-    return ms
-
-
 def result_of(prepared: dict, ms: list[float], counts: dict) -> dict:
     """One implementation's cell: its timings and, with counts (flexplan's), what it compiled
     and cached during the timed steps and its warm-up."""
@@ -384,7 +362,7 @@ def short_error(exc: BaseException) -> str:
 def run_row(ctx: Context, source: BatchSource, net_name: str, net_cls, state, mode: Mode,
             phase: str, coords: str, first: str) -> dict:
     """One table row: both implementations on the same batches, each warmed up (`first`
-    first), then their timed steps in turns (timed_in_turns)."""
+    first), then their timed steps in turns (bench_common.time_paired)."""
     args = ctx.args
     if coords == "fresh":
         batches = source.take(args.warmup + args.steps, mode.input_dtype)
@@ -410,7 +388,16 @@ def run_row(ctx: Context, source: BatchSource, net_name: str, net_cls, state, mo
     # (spconv compiles none of flexplan's kernels and writes no plan file: these are flexplan's)
     counts = dict(before=kernel_snapshot(ctx.kernels), files_before=plan_files(ctx.plan_dir))
     stats_before = plan_cache.stats()
-    ms = timed_in_turns(ctx, prepared, batches[args.warmup:], row)
+    # the timed steps in turns (bench_common.time_paired): step i of each, the order
+    # alternating with i, so that both see the host's speed of the same moments (these hosts
+    # drift by tens of percent within minutes)
+    failures, ms = {}, {}
+    if prepared:
+        ms = time_paired({impl: p["step"] for impl, p in prepared.items()},
+                         batches[args.warmup:], 0, failures=failures)["times"]
+    for impl, exc in failures.items():  # one implementation's failure, reported in its cell
+        traceback.print_exception(exc, limit=4)
+        row[impl] = dict(error=short_error(exc))
     counts.update(after=kernel_snapshot(ctx.kernels), files_after=plan_files(ctx.plan_dir),
                   stats=numeric_delta(stats_before, plan_cache.stats()))
     for impl, times in ms.items():

@@ -134,8 +134,11 @@ def test_options():
 
 
 def test_timed_steps_take_turns_and_a_failing_step_leaves_them():
-    """bench_e2e.timed_in_turns: step i of each implementation, the order alternating with i;
-    one whose step raises gets its error in the row and takes no further turns."""
+    """bench_common.time_paired, as bench_e2e times its rows: step i of each implementation,
+    the order alternating with i; with `failures`, one whose step raises is noted there and
+    takes no further turns (no ratio then); without, the error propagates."""
+    from bench_common import time_paired
+
     log = []
 
     def step_of(name, fail_at=None):
@@ -145,12 +148,12 @@ def test_timed_steps_take_turns_and_a_failing_step_leaves_them():
             log.append((name, batch))
         return step
 
-    ctx = SimpleNamespace(device=torch.device("cpu"))
-    prepared = {"spconv": dict(step=step_of("spconv", fail_at=3)),
-                "flexplan": dict(step=step_of("flexplan"))}
-    row = {}
-    ms = bench_e2e.timed_in_turns(ctx, prepared, [0, 1, 2, 3, 4], row)
+    steps = {"spconv": step_of("spconv", fail_at=3), "flexplan": step_of("flexplan")}
+    failures = {}
+    timed = time_paired(steps, [0, 1, 2, 3, 4], 0, failures=failures)
     assert log == [("spconv", 0), ("flexplan", 0), ("flexplan", 1), ("spconv", 1),
                    ("spconv", 2), ("flexplan", 2), ("flexplan", 3), ("flexplan", 4)]
-    assert set(ms) == {"flexplan"} and len(ms["flexplan"]) == 5
-    assert row == {"spconv": {"error": "RuntimeError: spconv failed"}}
+    assert set(timed["times"]) == {"flexplan"} and len(timed["times"]["flexplan"]) == 5
+    assert timed["ratio"] is None and str(failures["spconv"]) == "spconv failed"
+    with pytest.raises(RuntimeError, match="spconv failed"):
+        time_paired(steps, [3], 0)

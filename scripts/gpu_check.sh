@@ -2,7 +2,7 @@
 # GPU tests and benchmarks in one go, on the GPU machine (system python with torch + Triton,
 # no network). Carry .whl (platformdirs) and .peers (spconv, from ../shared/tools/peers-for-gpu.sh).
 # Usage: bash scripts/gpu_check.sh [tests] [tests-split] [cuda] [planner] [submconv] [cache] [aot] [table] [tuning] [unet]
-#        [e2e] [layers] [ddp] [precision] [host] [builds]
+#        [e2e] [layers] [ddp] [precision] [issue20] [host] [builds]
 #        (no argument: everything). Results land in scripts/results/ and, if set, in $OUT.
 # The results name the code's commit: on a copied tree whose .git is another commit's, set
 # FLEXPLAN_BENCH_COMMIT (e.g. FLEXPLAN_BENCH_COMMIT=$(git rev-parse --short HEAD) where the
@@ -57,6 +57,11 @@ for step in "${steps[@]}"; do
     layers)   python3 scripts/bench_layers.py ;;  # the e2e encoder's layer shapes vs spconv, every dtype
     ddp)      python3 scripts/bench_ddp.py ;;  # DDP training on 1 and 2 GPUs vs spconv (2-GPU machine)
     precision) python3 scripts/bench_precision.py ;;  # precision modes and BatchNorm folding, step by step vs spconv
+    # issue #20's verdict in one call (~4 min): its benchmark in fp16, both libraries in turns,
+    # and bench_precision's interleaved fresh-coordinate rows
+    issue20)  python3 scripts/bench_e2e.py --modes fp16 \
+                && python3 scripts/bench_precision.py --networks unet,encoder --phases train,infer \
+                     --coords fresh --base flexplan/fp16,spconv/fp16 --steps 25 --warmup 12 ;;
     # a plan build's host time, eager and replayed from CUDA graphs (submanifold, strided)
     builds)   python3 scripts/probe_build_graphs.py ;;
     # host cost of a launch (loop) and of named functions inside fresh / repeated U-Net steps

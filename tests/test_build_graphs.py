@@ -168,9 +168,9 @@ STRIDED = [dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=(3, 1, 1),
 @pytest.mark.parametrize("args", STRIDED, ids=["k3s2p1", "k311s211", "k2s2T", "k4s2"])
 def test_replayed_strided_builds_equal_eager_builds(device, args, poisoned_empty):
     """The two graphs of a strided or transposed build (generative_graphs.py), run eagerly:
-    for several input counts in one bucket, training and inference plans, the rest eager (an
-    output bucket's first sighting) and through the second graph (its next ones), every plan
-    equals the torch planner's, with its views."""
+    for several input counts in one bucket, training, inference and maps-only plans, the rest
+    eager (an output bucket's first sighting) and through the second graph (its next ones),
+    every plan equals the torch planner's, with its views."""
     from flexplan.planner import generative_graphs
     from flexplan.planner.generative import output_spatial_shape
 
@@ -179,22 +179,29 @@ def test_replayed_strided_builds_equal_eager_builds(device, args, poisoned_empty
     cap = 512
     first = generative_graphs.CapturedCandidates(cap, out_shape, BATCH, geometry,
                                                  torch.device(device), capture=False)
-    # training and inference plans from one first graph, each kind its own second graphs
-    for seed, (n, training) in enumerate(((500, True), (300, True), (cap, False), (410, True),
-                                          (490, False), (450, True), (470, False))):
+    # training, inference and maps-only plans from one first graph, each kind its own second
+    # graphs
+    T, I, M = generative_graphs.TRAIN, generative_graphs.INFER, generative_graphs.MAPS
+    for seed, (n, kind) in enumerate(((500, T), (300, T), (cap, I), (410, T), (490, I), (450, T),
+                                      (470, I), (460, M), (420, M), (505, M))):
+        if kind == M and geometry.transposed:  # (no maps-only plan: maps_only_request)
+            kind = I
         coords = random_coords(n, SHAPE, BATCH, generator=torch.Generator().manual_seed(seed),
                                device=device)
-        plan = first.build(coords, SHAPE, BATCH, training)
+        plan = first.build(coords, SHAPE, BATCH, kind)
         exact = build_plan(coords.cpu(), SHAPE, BATCH, geometry, backend="torch",
-                           training=training)
+                           training=kind == T, scheduled=kind != M)
         _assert_same(plan, exact)
-        assert plan.for_training == training and (plan.bwd is None) == (not training)
+        assert plan.for_training == (kind == T) and (plan.bwd is None) == (kind != T)
+        assert plan.maps_only == exact.maps_only == (kind == M)
         assert (plan.num_out, plan.out_spatial_shape) == (exact.num_out, exact.out_spatial_shape)
-        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd))[:1 + training]:
+        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd))[:1 + (kind == T)]:
             assert torch.equal(sorted_map_t(gmap).cpu(), sorted_map_t(other).cpu())
-    # the second graphs' launches ran, but for 64 offsets (two rank words: the rest eager)
-    kinds = {training for _, training in first.eager_rests.kept()}
-    assert kinds == ({True, False} if geometry.volume <= 63 else set())
+    # the second graphs' launches ran, but the scheduled kinds' for 64 offsets (two rank words:
+    # the rest eager)
+    kinds = {kind for _, kind in first.eager_rests.kept()}
+    maps = set() if geometry.transposed else {M}
+    assert kinds == ({T, I} | maps if geometry.volume <= 63 else maps)
 
 
 def test_eager_rest_after_a_failed_second_capture(device):
@@ -232,10 +239,10 @@ def test_eager_rest_after_a_failed_second_capture(device):
 
 @pytest.mark.gpu
 def test_captured_strided_builds_on_the_gpu():
-    """Strided training and inference builds through build_plan on fresh coordinates: first
-    graphs captured at an input bucket's second build (shared by both kinds), second graphs
-    at an output bucket's (per kind); every plan equals the torch planner's, also after later
-    replays."""
+    """Strided training, inference and maps-only builds through build_plan on fresh
+    coordinates: first graphs captured at an input bucket's second build (shared by every
+    kind), second graphs at an output bucket's (per kind); every plan equals the torch
+    planner's, also after later replays."""
     from flexplan.planner import generative_graphs
 
     build_graphs.release()
@@ -245,18 +252,21 @@ def test_captured_strided_builds_on_the_gpu():
     for seed, n in enumerate((20000, 19000, 21000, 19500, 20500, 9000, 8800)):
         coords = random_coords(n, shape, batch, generator=torch.Generator().manual_seed(seed),
                                device="cuda")
-        for training in (True, False):
-            plans.append((coords, training, build_plan(coords, shape, batch, geometry,
-                                                       check=False, training=training)))
+        for training, scheduled in ((True, True), (False, True), (False, False)):
+            plans.append((coords, training, scheduled, build_plan(
+                coords, shape, batch, geometry, check=False, training=training,
+                scheduled=scheduled)))
     firsts = [b for b in build_graphs.kept()
               if isinstance(b, generative_graphs.CapturedCandidates)]
     rests = [b for b in build_graphs.kept() if isinstance(b, generative_graphs.CapturedRest)]
     assert firsts and all(rest.graph is not None for rest in rests)
-    assert {rest.training for rest in rests} == {True, False}
-    for coords, training, plan in plans:
+    assert {rest.kind for rest in rests} == {generative_graphs.TRAIN, generative_graphs.INFER,
+                                            generative_graphs.MAPS}
+    for coords, training, scheduled, plan in plans:
         exact = build_plan(coords.cpu(), shape, batch, geometry, backend="torch",
-                           training=training)
+                           training=training, scheduled=scheduled)
         _assert_same(plan, exact)
+        assert plan.maps_only == exact.maps_only == (not scheduled)
         for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd))[:1 + training]:
             assert torch.equal(sorted_map_t(gmap).cpu(), sorted_map_t(other).cpu())
     build_graphs.release()
@@ -358,9 +368,9 @@ def test_graphs_made_under_inference_mode_serve_builds_outside_it(device):
                             device=device) for n in (480, 470, 490)]
     with torch.inference_mode():  # the inference rest's second request makes it here
         for c in coords[:2]:
-            first.build(c, SHAPE, BATCH, training=False)
+            first.build(c, SHAPE, BATCH, generative_graphs.INFER)
     assert first.eager_rests.kept()
-    plan = first.build(coords[2], SHAPE, BATCH, training=False)  # and it serves outside
+    plan = first.build(coords[2], SHAPE, BATCH, generative_graphs.INFER)  # and serves outside
     _assert_same(plan, build_plan(coords[2].cpu(), SHAPE, BATCH, geometry, backend="torch",
                                   training=False))
 

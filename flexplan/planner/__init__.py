@@ -15,7 +15,7 @@ from ..plan import (ConvPlan, maps_only_request, mirrored_signal_offsets, signal
 from ..coords_check import check_coords, check_coords_layout, raise_coords_problems
 from . import segments
 from .generative import generative_plan, output_spatial_shape
-from .generative_graphs import captured_strided_build
+from .generative_graphs import captured_strided_build, plan_kind
 from .build_graphs import captured_build
 from .generative_triton import generative_plan_triton
 from .hashmap import PROBLEM_SLOTS, problem_rows, submanifold_neighbor_map_triton
@@ -78,12 +78,12 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
         if backend == "torch" or coords.shape[0] == 0:
             return generative_plan(coords, shape, batch_size, geometry, training, maps_only)
         out_shape = output_spatial_shape(shape, geometry)
-        if coords.is_cuda and not maps_only and not (training and segments.SCHEDULE_BWD_MAPS):
+        if coords.is_cuda and not (training and segments.SCHEDULE_BWD_MAPS):
             # replayed from CUDA graphs where they are kept (generative_graphs.py)
             replayed = captured_strided_build(coords.shape[0], out_shape, batch_size, geometry,
                                               coords.device)
             if replayed is not None:
-                return replayed.build(coords, shape, batch_size, training)
+                return replayed.build(coords, shape, batch_size, plan_kind(training, maps_only))
         return generative_plan_triton(coords, shape, out_shape, batch_size, geometry, training,
                                       maps_only)
     signal_offsets = mirrored_signal_offsets(geometry.volume) if training else 0

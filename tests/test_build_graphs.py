@@ -229,10 +229,12 @@ def test_eager_rest_after_a_failed_second_capture(device):
     cap_out = -(-bucket(n_out) // rows) * rows
     rest = CapturedRest(first, cap_out, schedule_layout(cap_out, 27, PLAN_BLOCK_SIZES, 27))
     rest._launches(outputs)  # the first-use pass, then (say) the capture failed
-    out_coords, fwd, bwd, signal = first._rest_eagerly(outputs, n, n_out, pairs, True)
+    out_coords, fwd, bwd, signal = first._rest_eagerly(outputs, n, n_out, pairs,
+                                                       generative_graphs.TRAIN)
     exact = build_plan(coords.cpu(), SHAPE, BATCH, geometry, backend="torch")
     assert torch.equal(out_coords.cpu(), exact.out_coords)
     assert torch.equal(fwd.neighbor_map.cpu(), exact.fwd.neighbor_map)
+    assert torch.equal(bwd.neighbor_map.cpu(), exact.bwd.neighbor_map) and signal is not None
     for block in exact.fwd.valid_kernel:
         assert torch.equal(fwd.valid_kernel[block].cpu(), exact.fwd.valid_kernel[block])
 

@@ -44,6 +44,7 @@ from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, la
 # a training plan, an inference plan (scheduled fwd map, no bwd map or pairs), a pool's
 # maps-only plan (ConvPlan.maps_only: the fwd map unscheduled).
 TRAIN, INFER, MAPS = "train", "infer", "maps"
+KINDS = (TRAIN, INFER, MAPS)
 
 
 def plan_kind(training: bool, maps_only: bool) -> str:
@@ -103,6 +104,8 @@ class CapturedCandidates:
               kind: str = TRAIN) -> ConvPlan:
         """generative_plan_triton's plan of `kind` (TRAIN, INFER, MAPS) for coords [n <= cap,
         4], checked."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown kind of plan {kind!r}; one of {KINDS}")
         n, v = coords.shape[0], self.geometry.volume
         with self.lock:  # the graphs' buffers are ours from the copy in to the copies out
             self.coords[:n].copy_(coords)

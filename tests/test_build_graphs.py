@@ -401,3 +401,74 @@ def test_strided_first_graphs_replay_a_larger_kept_bucket(monkeypatch):
     assert ask(5000) is None and ask(5100) == 6144 and ask(4700) == 6144 and made == [6144]
     assert ask(MAX_ROWS) is None and ask(MAX_ROWS) == MAX_ROWS  # (no room past MAX_ROWS)
     build_graphs.release()
+
+
+@pytest.mark.parametrize("kernel", [3, (5, 5, 3)])  # (75 offsets: two Gray-rank words)
+def test_replayed_map_builds_equal_eager_builds(device, kernel, poisoned_empty):
+    """build_graphs.CapturedMapBuild (a first sighting's unscheduled inference map, any number
+    of offsets), run eagerly for several counts in one bucket, larger then smaller: the plan
+    equals build_plan's unscheduled build and the torch planner's, its gather layout too."""
+    geometry = ConvGeometry.make(kernel)
+    cap = 256
+    recorded = build_graphs.CapturedMapBuild(cap, SHAPE, BATCH, geometry, torch.device(device),
+                                             capture=False)
+    for seed, n in enumerate((250, 100, cap, 40)):
+        coords = random_coords(n, SHAPE, BATCH, generator=torch.Generator().manual_seed(seed),
+                               device=device)
+        plan = planner._submanifold_plan(coords, SHAPE, BATCH, geometry, recorded.build(coords),
+                                         None, False)
+        eager = build_plan(coords, SHAPE, BATCH, geometry, backend="triton", check=False,
+                           training=False, scheduled=False)
+        exact = build_plan(coords.cpu(), SHAPE, BATCH, geometry, backend="torch",
+                           training=False, scheduled=False)
+        assert plan.schedule_deferred and eager.schedule_deferred and not plan.for_training
+        _assert_same(plan, eager)
+        _assert_same(plan, exact)
+        assert torch.equal(sorted_map_t(plan.fwd).cpu(), sorted_map_t(exact.fwd).cpu())
+
+
+def test_captured_map_build_is_asked_for_twice(monkeypatch):
+    """captured_map_build: the second request of a bucket captures (any number of offsets),
+    a build within the room replays it, CPU tensors and small counts never get one."""
+    made = []
+    monkeypatch.setattr(build_graphs, "CapturedMapBuild",
+                        type("Made", (), {"graph_bytes": staticmethod(lambda cap, v: 1),
+                                          "__new__": lambda cls, cap, *a: made.append(cap) or cap}))
+    fake_gpu(monkeypatch)
+    build_graphs.release()
+    ask = lambda n, device=torch.device("cuda", 0): build_graphs.captured_map_build(  # noqa: E731
+        n, SHAPE, BATCH, ConvGeometry.make(5), device)
+    assert ask(5000, torch.device("cpu")) is None and ask(100) is None and ask(100) is None
+    assert ask(5000) is None and ask(5100) == 6144 and ask(4700) == 6144 and made == [6144]
+    build_graphs.release()
+
+
+@pytest.mark.gpu
+def test_captured_map_builds_on_the_gpu():
+    """First sightings' inference maps through build_plan on fresh coordinates: captured at a
+    bucket's second build, later ones replay; every plan equals the torch planner's, also
+    after later replays, and a conv over a replayed plan equals one over an eager plan."""
+    from flexplan.ops.conv import sparse_conv
+
+    build_graphs.release()
+    geometry, shape, batch = ConvGeometry.make(3), (120, 110, 40), 2
+    plans = []
+    for seed, n in enumerate((20000, 19000, 21000, 19500, 9000, 8800, 9100)):
+        coords = random_coords(n, shape, batch, generator=torch.Generator().manual_seed(seed),
+                               device="cuda")
+        plans.append((coords, build_plan(coords, shape, batch, geometry, check=False,
+                                         training=False, scheduled=False)))
+    assert any(isinstance(b, build_graphs.CapturedMapBuild) for b in build_graphs.kept())
+    for coords, plan in plans:
+        exact = build_plan(coords.cpu(), shape, batch, geometry, backend="torch",
+                           training=False, scheduled=False)
+        _assert_same(plan, exact)
+        assert torch.equal(sorted_map_t(plan.fwd).cpu(), sorted_map_t(exact.fwd).cpu())
+    coords, replayed = plans[3]
+    build_graphs.release()
+    eager = build_plan(coords, shape, batch, geometry, check=False, training=False,
+                       scheduled=False)
+    x = torch.randn(coords.shape[0], 16, device="cuda", dtype=torch.float16)
+    w = torch.randn(32, 3, 3, 3, 16, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        assert torch.equal(sparse_conv(x, replayed, w), sparse_conv(x, eager, w))

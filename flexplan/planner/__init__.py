@@ -16,7 +16,7 @@ from ..coords_check import check_coords, check_coords_layout, raise_coords_probl
 from . import segments
 from .generative import generative_plan, output_spatial_shape
 from .generative_graphs import captured_strided_build, plan_kind
-from .build_graphs import captured_build
+from .build_graphs import captured_build, captured_map_build
 from .generative_triton import generative_plan_triton
 from .hashmap import PROBLEM_SLOTS, problem_rows, submanifold_neighbor_map_triton
 from .reference import submanifold_neighbor_map_torch
@@ -96,6 +96,13 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
         if replayed is not None:
             fwd, signal = replayed.build(coords)
             return _submanifold_plan(coords, shape, batch_size, geometry, fwd, signal, training)
+    if backend == "triton" and unscheduled and not check and coords.is_cuda:
+        # a first sighting's inference map (no schedule, no sync): replayed likewise
+        replayed = captured_map_build(coords.shape[0], shape, batch_size, geometry,
+                                      coords.device)
+        if replayed is not None:
+            return _submanifold_plan(coords, shape, batch_size, geometry,
+                                     replayed.build(coords), None, training)
     if backend == "torch":
         if check:
             check_coords(coords, shape, batch_size)

@@ -1,4 +1,4 @@
-"""Submanifold training builds replayed from CUDA graphs: a build's dozen host operations in one.
+"""Submanifold builds replayed from CUDA graphs: a build's dozen host operations in one.
 
 A fresh training step is bound by the host: a submanifold build (table fill, hash insert and
 lookups, Gray ranks, sort, schedule, pairs, their allocations) costs some 400 us of host time
@@ -21,9 +21,11 @@ Like rank_sort's sorts, a bucket's graph is recorded the second time a build ask
 first-use pass, then the capture: a few milliseconds), within bytes_budget() of graph memory for
 all of a device's build graphs (graph_registry.py; a submanifold bucket row holds about 440
 bytes); builds past it, or of row counts outside [MIN_ROWS, MAX_ROWS], or while a graph of the
-caller's is being captured, build eagerly. FLEXPLAN_BUILD_GRAPHS=0 turns them off. Only builds that read nothing back qualify:
-training, coordinates checked before, pairs deferred (their count read at the first backward),
-one Gray-rank word (at most 63 offsets).
+caller's is being captured, build eagerly. FLEXPLAN_BUILD_GRAPHS=0 turns them off. Only
+builds of coordinates checked before that read nothing back qualify: training builds with
+their pairs deferred (their count read at the first backward) and one Gray-rank word (at most
+63 offsets: CapturedBuild), and a first sighting's inference map, which has no schedule
+(ConvPlan.schedule_deferred; any number of offsets: CapturedMapBuild).
 """
 from __future__ import annotations
 
@@ -36,10 +38,11 @@ import torch
 from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..launcher import launch
-from ..plan import PendingCount
+from ..plan import GatherMap, PendingCount, with_sorted_map_t
 from . import graph_registry
 from .graph_registry import CaptureRegistry, capture_graph, roomy_graph
 from .hashmap import submanifold_neighbor_map_triton
+from .segments import unscheduled_map
 from .rank_sort import MAX_ROWS, MIN_ROWS, room_buckets
 from .segments_torch import rank_words
 from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, deferred_pairs_bound,
@@ -156,6 +159,76 @@ class CapturedBuild:
         signal = (arena[places[3]:places[3] + room], arena[places[3] + room:places[4]],
                   plan_out[at:at + self.signal_offsets + 1], pending)
         return deferred_gather_map(nmap, plan_out, map_t, layout, seg_runs), signal
+
+
+class CapturedMapBuild:
+    """The launches of a submanifold inference build without a schedule (a first sighting's,
+    ConvPlan.schedule_deferred: the table, the inserts, the lookups writing the map and its
+    transpose) for up to `cap` rows, recorded in a CUDA graph on the current stream; build()
+    replays them for coordinates of up to cap rows (capture False: launches them eagerly)."""
+
+    def __init__(self, cap: int, shape: tuple[int, int, int], batch_size: int,
+                 geometry: ConvGeometry, device: torch.device, capture: bool = True):
+        self.cap, self.volume = cap, geometry.volume
+        # the arena: the map [cap, V], its transpose (first V * rows entries: [V, rows]), and
+        # the rows 0..cap-1 (the unscheduled map's sorted_idx)
+        self.places = arena_places((cap * geometry.volume, geometry.volume * cap, cap))
+        self.coords = torch.zeros((cap, 4), dtype=torch.int32, device=device)
+        self.rows = torch.zeros(1, dtype=torch.int32, device=device)  # the live count
+        self.lock = threading.Lock()
+        self.args = (shape, batch_size, geometry)
+        self.graph = self.arena = None
+        if capture:
+            self.graph, self.arena = capture_graph(lambda: self._launches(*self.args))
+
+    @staticmethod
+    def graph_bytes(cap: int, volume: int) -> int:
+        """The graph's memory, estimated: its arena and the hash table (16 bytes a slot, two
+        slots a row at most, and the 32-bit keys' values)."""
+        return 4 * arena_places((cap * volume, volume * cap, cap))[-1] + 40 * cap
+
+    def _launches(self, shape, batch_size, geometry) -> torch.Tensor:
+        cap, v, p = self.cap, self.volume, self.places
+        arena = torch.empty(p[-1], dtype=torch.int32, device=self.coords.device)
+        torch.arange(cap, dtype=torch.int32, device=arena.device, out=arena[p[2]:p[3]])
+        submanifold_neighbor_map_triton(
+            self.coords, shape, batch_size, geometry, flags=False,
+            map_t=arena[p[1]:p[2]].view(v, cap), rows_at=self.rows.data_ptr(),
+            out=arena[:p[1]].view(cap, v))
+        return arena
+
+    def build(self, coords: torch.Tensor) -> GatherMap:
+        """The unscheduled fwd map (its sorted_map_t kept) of coords [n <= cap, 4], checked
+        before: what build_plan's unscheduled Triton build makes."""
+        n, v, p = coords.shape[0], self.volume, self.places
+        with self.lock:  # the graph's buffers are ours from the copy in to the copy out
+            self.coords[:n].copy_(coords)
+            self.rows.fill_(n)
+            if self.graph is None:
+                arena = self._launches(*self.args)
+            else:
+                self.graph.replay()
+                arena = self.arena
+            arena = arena.clone()  # (one copy: the map's views below share it)
+        fwd = unscheduled_map(arena[:n * v].view(n, v), arena[p[2]:p[2] + n])
+        return with_sorted_map_t(fwd, arena[p[1]:p[1] + v * n].view(v, n))
+
+
+def captured_map_build(n: int, shape: tuple[int, int, int], batch_size: int,
+                       geometry: ConvGeometry, device: torch.device) -> CapturedMapBuild | None:
+    """The captured unscheduled inference build for n checked rows on the current stream of
+    `device`, or None where the caller builds eagerly (captured_build's rules, any number of
+    offsets: nothing is ranked)."""
+    if not MIN_ROWS <= n <= MAX_ROWS or device.type != "cuda" or not enabled() or (
+            torch.cuda.is_current_stream_capturing()):
+        return None
+    caps = [cap for cap in room_buckets(n, graph_registry.ROOM) if cap <= MAX_ROWS]
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    key_of = lambda cap: (device.index, stream, "map", cap, shape,  # noqa: E731
+                          batch_size, geometry)
+    return roomy_graph(_builds, caps, key_of, lambda cap: kept_graph(
+        key_of(cap), lambda: CapturedMapBuild.graph_bytes(cap, geometry.volume),
+        lambda: CapturedMapBuild(cap, shape, batch_size, geometry, device)))
 
 
 def captured_build(n: int, shape: tuple[int, int, int], batch_size: int, geometry: ConvGeometry,

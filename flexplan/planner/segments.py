@@ -57,10 +57,12 @@ def plan_schedule(neighbor_map: torch.Tensor, block_sizes: tuple[int, ...], back
             readback[:num_flags].tolist() if num_flags else None)
 
 
-def unscheduled_map(neighbor_map: torch.Tensor) -> GatherMap:
+def unscheduled_map(neighbor_map: torch.Tensor, rows: torch.Tensor | None = None) -> GatherMap:
     """A gather map with its rows in their own order and no masked schedule (no block sizes):
-    what the implicit kernels need, without the schedule's sort and launches."""
-    rows = torch.arange(neighbor_map.shape[0], dtype=torch.int32, device=neighbor_map.device)
+    what the implicit kernels need, without the schedule's sort and launches. rows: the int32
+    0..M-1 its sorted_idx is, where the caller has them (else made here)."""
+    if rows is None:
+        rows = torch.arange(neighbor_map.shape[0], dtype=torch.int32, device=neighbor_map.device)
     return GatherMap(neighbor_map, rows, {}, {})
 
 

@@ -94,7 +94,37 @@ def graph_bytes(places: tuple[int, ...], rows: int) -> int:
     return 4 * places[-1] + SCRATCH_BYTES_PER_ROW * rows
 
 
-class CapturedBuild:
+class LiveRowsGraph:
+    """Launches over the live rows of a buffer of `cap` coordinates (their count in device
+    memory, `rows`), recorded in a CUDA graph on the current stream by capture() (else, the
+    CPU tests' way, launched eagerly at each replay). Subclasses define _launches(), returning
+    what a replay leaves (the graph's own buffers)."""
+
+    def __init__(self, cap: int, device: torch.device):
+        self.cap = cap
+        self.coords = torch.zeros((cap, 4), dtype=torch.int32, device=device)
+        self.rows = torch.zeros(1, dtype=torch.int32, device=device)  # the live count
+        self.lock = threading.Lock()  # held from a replay's copy in to its copies out
+        self.graph = self.outputs = None
+
+    def _launches(self):
+        raise NotImplementedError
+
+    def capture(self) -> None:
+        self.graph, self.outputs = capture_graph(self._launches)
+
+    def replay(self, coords: torch.Tensor):
+        """_launches()'s outputs for coords [n <= cap, 4] (copied in), the lock held."""
+        n = coords.shape[0]
+        self.coords[:n].copy_(coords)
+        self.rows.fill_(n)
+        if self.graph is None:
+            return self._launches()
+        self.graph.replay()
+        return self.outputs
+
+
+class CapturedBuild(LiveRowsGraph):
     """The launches of a submanifold training build of `cap` rows at most, recorded in a CUDA
     graph on the current stream; build() replays them for coordinates of up to cap rows.
     capture False: build() launches them (the same launches, eagerly: the CPU tests' way)."""
@@ -102,22 +132,20 @@ class CapturedBuild:
     def __init__(self, cap: int, shape: tuple[int, int, int], batch_size: int,
                  geometry: ConvGeometry, signal_offsets: int, device: torch.device,
                  capture: bool = True):
-        self.cap, self.volume, self.signal_offsets = cap, geometry.volume, signal_offsets
+        super().__init__(cap, device)
+        self.volume, self.signal_offsets = geometry.volume, signal_offsets
         self.layout, self.room, self.places = _arena(cap, geometry.volume, signal_offsets)
-        self.coords = torch.zeros((cap, 4), dtype=torch.int32, device=device)
-        self.rows = torch.zeros(1, dtype=torch.int32, device=device)  # the live count
-        self.lock = threading.Lock()
         self.args = (shape, batch_size, geometry)
-        self.graph = self.outputs = None
         if capture:
-            self.graph, self.outputs = capture_graph(lambda: self._launches(*self.args))
+            self.capture()
 
 
-    def _launches(self, shape, batch_size, geometry):
+    def _launches(self):
         """The build's launches for the live rows of self.coords, as build_plan's Triton path
         launches them: (arena, readback). The arena holds what the plan keeps, one copy out:
         plan_out, the map [cap, V], map_t [V, cap] (its first V * rows entries: [V, rows]),
         the pair rows (self.places)."""
+        shape, batch_size, geometry = self.args
         rows_at, cap, v, places = self.rows.data_ptr(), self.cap, self.volume, self.places
         arena = torch.empty(places[-1], dtype=torch.int32, device=self.coords.device)
         nmap = arena[places[1]:places[2]].view(cap, v)
@@ -139,14 +167,7 @@ class CapturedBuild:
         [n <= cap, 4], checked before: what plan_schedule returns for a deferred build."""
         n, v, layout = coords.shape[0], self.volume, self.layout
         with self.lock:  # the graph's buffers are ours from the copy in to the copies out
-            self.coords[:n].copy_(coords)
-            self.rows.fill_(n)
-            if self.graph is None:
-                outputs = self._launches(*self.args)
-            else:
-                self.graph.replay()
-                outputs = self.outputs
-            arena, readback = outputs
+            arena, readback = self.replay(coords)
             arena = arena.clone()  # (one copy: the plan's views below share it)
             pending = PendingCount(readback[layout.levels:layout.levels + 1])
         places, room = self.places, self.room
@@ -161,7 +182,7 @@ class CapturedBuild:
         return deferred_gather_map(nmap, plan_out, map_t, layout, seg_runs), signal
 
 
-class CapturedMapBuild:
+class CapturedMapBuild(LiveRowsGraph):
     """The launches of a submanifold inference build without a schedule (a first sighting's,
     ConvPlan.schedule_deferred: the table, the inserts, the lookups writing the map and its
     transpose) for up to `cap` rows, recorded in a CUDA graph on the current stream; build()
@@ -169,17 +190,14 @@ class CapturedMapBuild:
 
     def __init__(self, cap: int, shape: tuple[int, int, int], batch_size: int,
                  geometry: ConvGeometry, device: torch.device, capture: bool = True):
-        self.cap, self.volume = cap, geometry.volume
+        super().__init__(cap, device)
+        self.volume = geometry.volume
         # the arena: the map [cap, V], its transpose (first V * rows entries: [V, rows]), and
         # the rows 0..cap-1 (the unscheduled map's sorted_idx)
         self.places = arena_places((cap * geometry.volume, geometry.volume * cap, cap))
-        self.coords = torch.zeros((cap, 4), dtype=torch.int32, device=device)
-        self.rows = torch.zeros(1, dtype=torch.int32, device=device)  # the live count
-        self.lock = threading.Lock()
         self.args = (shape, batch_size, geometry)
-        self.graph = self.arena = None
         if capture:
-            self.graph, self.arena = capture_graph(lambda: self._launches(*self.args))
+            self.capture()
 
     @staticmethod
     def graph_bytes(cap: int, volume: int) -> int:
@@ -187,7 +205,8 @@ class CapturedMapBuild:
         slots a row at most, and the 32-bit keys' values)."""
         return 4 * arena_places((cap * volume, volume * cap, cap))[-1] + 40 * cap
 
-    def _launches(self, shape, batch_size, geometry) -> torch.Tensor:
+    def _launches(self) -> torch.Tensor:
+        shape, batch_size, geometry = self.args
         cap, v, p = self.cap, self.volume, self.places
         arena = torch.empty(p[-1], dtype=torch.int32, device=self.coords.device)
         torch.arange(cap, dtype=torch.int32, device=arena.device, out=arena[p[2]:p[3]])
@@ -202,14 +221,7 @@ class CapturedMapBuild:
         before: what build_plan's unscheduled Triton build makes."""
         n, v, p = coords.shape[0], self.volume, self.places
         with self.lock:  # the graph's buffers are ours from the copy in to the copy out
-            self.coords[:n].copy_(coords)
-            self.rows.fill_(n)
-            if self.graph is None:
-                arena = self._launches(*self.args)
-            else:
-                self.graph.replay()
-                arena = self.arena
-            arena = arena.clone()  # (one copy: the map's views below share it)
+            arena = self.replay(coords).clone()  # (one copy: the map's views below share it)
         fwd = unscheduled_map(arena[:n * v].view(n, v), arena[p[2]:p[2] + n])
         return with_sorted_map_t(fwd, arena[p[1]:p[1] + v * n].view(v, n))
 

@@ -18,7 +18,6 @@ of the second, copied out after each replay (build_graphs.py says why).
 """
 from __future__ import annotations
 
-import threading
 
 import torch
 
@@ -26,7 +25,8 @@ from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
-from .build_graphs import arena_places, builds_registry, enabled, graph_bytes, kept_graph
+from .build_graphs import (LiveRowsGraph, arena_places, builds_registry, enabled, graph_bytes,
+                           kept_graph)
 from . import graph_registry
 from .graph_registry import CaptureRegistry, capture_graph, roomy_graph
 from .generative_triton import (SENTINEL, TOTALS, candidate_slots, launch_candidates,
@@ -56,28 +56,25 @@ def plan_kind(training: bool, maps_only: bool) -> str:
 CANDIDATE_BYTES = 56
 
 
-class CapturedCandidates:
+class CapturedCandidates(LiveRowsGraph):
     """The first graph: candidates, sort and run starts of up to `cap` input rows."""
 
     def __init__(self, cap: int, out_shape: tuple[int, int, int], batch_size: int,
                  geometry: ConvGeometry, device: torch.device, capture: bool = True):
-        self.cap, self.out_shape, self.geometry = cap, out_shape, geometry
+        super().__init__(cap, device)
+        self.out_shape, self.geometry = out_shape, geometry
         self.slots = candidate_slots(geometry)
         self.kdtype = key_dtype(out_shape, batch_size)
         self.total = cap * self.slots  # candidates sorted, padding included
         v = geometry.volume
         self.fwd_at = TOTALS
         self.state_at = self.fwd_at + readback_bound(self.total, PLAN_BLOCK_SIZES, v)
-        self.coords = torch.zeros((cap, 4), dtype=torch.int32, device=device)
-        self.rows = torch.zeros(1, dtype=torch.int32, device=device)  # the live input count
-        self.lock = threading.Lock()
         # (eager, the CPU tests' way: second "graphs" kept here, no device to key or budget by)
         self.eager_rests = CaptureRegistry()
         self.rest_layouts: dict = {}  # output bucket -> its schedule's layout
-        self.capture = capture
-        self.graph = self.outputs = None
+        self.captured = capture
         if capture:
-            self.graph, self.outputs = capture_graph(self._launches)
+            self.capture()
 
     @staticmethod
     def graph_bytes(cap: int, geometry: ConvGeometry) -> int:
@@ -106,15 +103,9 @@ class CapturedCandidates:
         4], checked."""
         if kind not in KINDS:
             raise ValueError(f"unknown kind of plan {kind!r}; one of {KINDS}")
-        n, v = coords.shape[0], self.geometry.volume
+        n = coords.shape[0]
         with self.lock:  # the graphs' buffers are ours from the copy in to the copies out
-            self.coords[:n].copy_(coords)
-            self.rows.fill_(n)
-            if self.graph is None:
-                outputs = self._launches()
-            else:
-                self.graph.replay()
-                outputs = self.outputs
+            outputs = self.replay(coords)
             readback = outputs[-1]
             n_out, pairs = readback[:TOTALS].tolist()  # the one host sync
             pairs = max(pairs, 0)  # -1: no candidate at all
@@ -165,7 +156,7 @@ class CapturedCandidates:
         make = lambda cap: CapturedRest(self, cap, layout(cap), kind)  # noqa: E731
         size = lambda cap: graph_bytes(  # noqa: E731
             CapturedRest.places_of(self, cap, layout(cap), kind), cap)
-        if not self.capture:
+        if not self.captured:
             return roomy_graph(self.eager_rests, caps, lambda cap: (cap, kind), lambda cap:
                                self.eager_rests.get((cap, kind), lambda: size(cap), None,
                                                     1 << 62, lambda: make(cap), ""))
@@ -200,7 +191,7 @@ class CapturedRest:
         self.places = self.places_of(first, cap, layout, kind)
         self.rows_out = torch.zeros(1, dtype=torch.int32, device=first.coords.device)
         self.graph = self.arena = None
-        if first.capture:
+        if first.captured:
             self.graph, self.arena = capture_graph(lambda: self._launches(first.outputs))
 
     @staticmethod

@@ -425,11 +425,14 @@ def test_replayed_map_builds_equal_eager_builds(device, kernel, poisoned_empty):
         _assert_same(plan, eager)
         _assert_same(plan, exact)
         assert torch.equal(sorted_map_t(plan.fwd).cpu(), sorted_map_t(exact.fwd).cpu())
+        # its second sighting's schedule (plan_cache._served) as over the eager plan
+        _assert_same(planner.scheduled_plan(plan), planner.scheduled_plan(eager))
 
 
 def test_captured_map_build_is_asked_for_twice(monkeypatch):
-    """captured_map_build: the second request of a bucket captures (any number of offsets),
-    a build within the room replays it, CPU tensors and small counts never get one."""
+    """captured_map_build: the second request of a bucket captures, a build within the room
+    replays it, CPU tensors and small counts never get one, a training build of the same rows
+    and geometry does not get it."""
     made = []
     monkeypatch.setattr(build_graphs, "CapturedMapBuild",
                         type("Made", (), {"graph_bytes": staticmethod(lambda cap, v: 1),
@@ -437,9 +440,14 @@ def test_captured_map_build_is_asked_for_twice(monkeypatch):
     fake_gpu(monkeypatch)
     build_graphs.release()
     ask = lambda n, device=torch.device("cuda", 0): build_graphs.captured_map_build(  # noqa: E731
-        n, SHAPE, BATCH, ConvGeometry.make(5), device)
+        n, SHAPE, BATCH, ConvGeometry.make(3), device)
     assert ask(5000, torch.device("cpu")) is None and ask(100) is None and ask(100) is None
     assert ask(5000) is None and ask(5100) == 6144 and ask(4700) == 6144 and made == [6144]
+    # a training build of the same rows has its own key (its graph not the map build's)
+    monkeypatch.setattr(build_graphs, "CapturedBuild", lambda *a: "training graph")
+    train = lambda: build_graphs.captured_build(  # noqa: E731
+        5000, SHAPE, BATCH, ConvGeometry.make(3), 0, torch.device("cuda", 0), 1 << 30)
+    assert train() is None and train() == "training graph"
     build_graphs.release()
 
 

@@ -41,7 +41,7 @@ from ..launcher import launch
 from ..plan import GatherMap, PendingCount, with_sorted_map_t
 from . import graph_registry
 from .graph_registry import CaptureRegistry, capture_graph, roomy_graph
-from .hashmap import submanifold_neighbor_map_triton
+from .hashmap import submanifold_neighbor_map_triton, table_capacity
 from .segments import unscheduled_map
 from .rank_sort import MAX_ROWS, MIN_ROWS, room_buckets
 from .segments_torch import rank_words
@@ -192,38 +192,48 @@ class CapturedMapBuild(LiveRowsGraph):
                  geometry: ConvGeometry, device: torch.device, capture: bool = True):
         super().__init__(cap, device)
         self.volume = geometry.volume
-        # the arena: the map [cap, V], its transpose (first V * rows entries: [V, rows]), and
-        # the rows 0..cap-1 (the unscheduled map's sorted_idx)
-        self.places = arena_places((cap * geometry.volume, geometry.volume * cap, cap))
+        self.places = self.places_of(cap, geometry.volume)
         self.args = (shape, batch_size, geometry)
         if capture:
             self.capture()
 
     @staticmethod
+    def places_of(cap: int, volume: int) -> tuple[int, ...]:
+        """The arena's regions: the map [cap, V], the rows 0..cap-1 (the unscheduled map's
+        sorted_idx), its transpose (first V * rows entries: [V, rows]). The map is copied out
+        alone (a later schedule keeps it, not the rest); the rows and the transpose's live part
+        together."""
+        return arena_places((cap * volume, cap, volume * cap))
+
+    @staticmethod
     def graph_bytes(cap: int, volume: int) -> int:
-        """The graph's memory, estimated: its arena and the hash table (16 bytes a slot, two
-        slots a row at most, and the 32-bit keys' values)."""
-        return 4 * arena_places((cap * volume, volume * cap, cap))[-1] + 40 * cap
+        """The graph's memory, estimated: its arena, the coordinates' buffer, and the hash
+        table (8 bytes a slot, 4 more for a 64-bit key's value)."""
+        return (4 * CapturedMapBuild.places_of(cap, volume)[-1] + 16 * cap
+                + 12 * table_capacity(cap))
 
     def _launches(self) -> torch.Tensor:
         shape, batch_size, geometry = self.args
         cap, v, p = self.cap, self.volume, self.places
         arena = torch.empty(p[-1], dtype=torch.int32, device=self.coords.device)
-        torch.arange(cap, dtype=torch.int32, device=arena.device, out=arena[p[2]:p[3]])
+        torch.arange(cap, dtype=torch.int32, device=arena.device, out=arena[p[1]:p[1] + cap])
         submanifold_neighbor_map_triton(
             self.coords, shape, batch_size, geometry, flags=False,
-            map_t=arena[p[1]:p[2]].view(v, cap), rows_at=self.rows.data_ptr(),
-            out=arena[:p[1]].view(cap, v))
+            map_t=arena[p[2]:p[2] + v * cap].view(v, cap), rows_at=self.rows.data_ptr(),
+            out=arena[:cap * v].view(cap, v))
         return arena
 
     def build(self, coords: torch.Tensor) -> GatherMap:
         """The unscheduled fwd map (its sorted_map_t kept) of coords [n <= cap, 4], checked
         before: what build_plan's unscheduled Triton build makes."""
         n, v, p = coords.shape[0], self.volume, self.places
-        with self.lock:  # the graph's buffers are ours from the copy in to the copy out
-            arena = self.replay(coords).clone()  # (one copy: the map's views below share it)
-        fwd = unscheduled_map(arena[:n * v].view(n, v), arena[p[2]:p[2] + n])
-        return with_sorted_map_t(fwd, arena[p[1]:p[1] + v * n].view(v, n))
+        with self.lock:  # the graph's buffers are ours from the copy in to the copies out
+            arena = self.replay(coords)
+            nmap = arena[:n * v].clone()
+            rest = arena[p[1]:p[2] + v * n].clone()  # (the rows, padding, the live map_t)
+        at = p[2] - p[1]
+        fwd = unscheduled_map(nmap.view(n, v), rest[:n])
+        return with_sorted_map_t(fwd, rest[at:at + v * n].view(v, n))
 
 
 def captured_map_build(n: int, shape: tuple[int, int, int], batch_size: int,

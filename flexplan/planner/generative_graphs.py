@@ -18,7 +18,6 @@ of the second, copied out after each replay (build_graphs.py says why).
 """
 from __future__ import annotations
 
-
 import torch
 
 from ..geometry import ConvGeometry

@@ -403,23 +403,31 @@ def test_strided_first_graphs_replay_a_larger_kept_bucket(monkeypatch):
     build_graphs.release()
 
 
-@pytest.mark.parametrize("kernel", [3, (5, 5, 3)])  # (75 offsets: two Gray-rank words)
-def test_replayed_map_builds_equal_eager_builds(device, kernel, poisoned_empty):
+# (a grid of more than 2^31 cells: 64-bit keys, whose table keeps the rows apart)
+BIG_SHAPE = (3000, 3000, 1500)
+
+
+@pytest.mark.parametrize("kernel, shape", [(3, SHAPE), ((5, 5, 3), SHAPE), (3, BIG_SHAPE)],
+                         ids=["k3", "k553", "k3-64bit-keys"])  # (k553: 75 offsets)
+def test_replayed_map_builds_equal_eager_builds(device, kernel, shape, poisoned_empty):
     """build_graphs.CapturedMapBuild (a first sighting's unscheduled inference map, any number
-    of offsets), run eagerly for several counts in one bucket, larger then smaller: the plan
-    equals build_plan's unscheduled build and the torch planner's, its gather layout too."""
+    of offsets, either key width), run eagerly for several counts in one bucket, larger then
+    smaller: the plan equals build_plan's unscheduled build and the torch planner's, its
+    gather layout too."""
     geometry = ConvGeometry.make(kernel)
     cap = 256
-    recorded = build_graphs.CapturedMapBuild(cap, SHAPE, BATCH, geometry, torch.device(device),
+    recorded = build_graphs.CapturedMapBuild(cap, shape, BATCH, geometry, torch.device(device),
                                              capture=False)
     for seed, n in enumerate((250, 100, cap, 40)):
         coords = random_coords(n, SHAPE, BATCH, generator=torch.Generator().manual_seed(seed),
                                device=device)
-        plan = planner._submanifold_plan(coords, SHAPE, BATCH, geometry, recorded.build(coords),
+        if shape is BIG_SHAPE:  # (the same clusters far from the origin)
+            coords[:, 1:] += torch.tensor([2900, 1500, 1400], dtype=torch.int32, device=device)
+        plan = planner._submanifold_plan(coords, shape, BATCH, geometry, recorded.build(coords),
                                          None, False)
-        eager = build_plan(coords, SHAPE, BATCH, geometry, backend="triton", check=False,
+        eager = build_plan(coords, shape, BATCH, geometry, backend="triton", check=False,
                            training=False, scheduled=False)
-        exact = build_plan(coords.cpu(), SHAPE, BATCH, geometry, backend="torch",
+        exact = build_plan(coords.cpu(), shape, BATCH, geometry, backend="torch",
                            training=False, scheduled=False)
         assert plan.schedule_deferred and eager.schedule_deferred and not plan.for_training
         _assert_same(plan, eager)

@@ -239,18 +239,12 @@ class CapturedMapBuild(LiveRowsGraph):
 def captured_map_build(n: int, shape: tuple[int, int, int], batch_size: int,
                        geometry: ConvGeometry, device: torch.device) -> CapturedMapBuild | None:
     """The captured unscheduled inference build for n checked rows on the current stream of
-    `device`, or None where the caller builds eagerly (captured_build's rules, any number of
+    `device`, or None where the caller builds eagerly (live_rows_graph's rules, any number of
     offsets: nothing is ranked)."""
-    if not MIN_ROWS <= n <= MAX_ROWS or device.type != "cuda" or not enabled() or (
-            torch.cuda.is_current_stream_capturing()):
-        return None
-    caps = [cap for cap in room_buckets(n, graph_registry.ROOM) if cap <= MAX_ROWS]
-    stream = torch._C._cuda_getCurrentRawStream(device.index)
-    key_of = lambda cap: (device.index, stream, "map", cap, shape,  # noqa: E731
-                          batch_size, geometry)
-    return roomy_graph(_builds, caps, key_of, lambda cap: kept_graph(
-        key_of(cap), lambda: CapturedMapBuild.graph_bytes(cap, geometry.volume),
-        lambda: CapturedMapBuild(cap, shape, batch_size, geometry, device)))
+    return live_rows_graph(
+        n, device, lambda cap: ("map", cap, shape, batch_size, geometry),
+        lambda cap: CapturedMapBuild.graph_bytes(cap, geometry.volume),
+        lambda cap: CapturedMapBuild(cap, shape, batch_size, geometry, device))
 
 
 def captured_build(n: int, shape: tuple[int, int, int], batch_size: int, geometry: ConvGeometry,
@@ -259,19 +253,33 @@ def captured_build(n: int, shape: tuple[int, int, int], batch_size: int, geometr
     """The captured build for a deferred submanifold training build of n rows on the current
     stream of `device`, or None where the caller builds eagerly (see the module's docstring).
     pairs_max: the most pairs a deferred build sizes its room for (the bucket's bound)."""
-    if not MIN_ROWS <= n <= MAX_ROWS or device.type != "cuda" or not enabled() or (
-            rank_words(geometry.volume)[2] != 1 or torch.cuda.is_current_stream_capturing()):
+    if rank_words(geometry.volume)[2] != 1:
         return None
-    # (the schedule's chunk tiles divide the bucket: those of 4096+ rows do)
+    return live_rows_graph(
+        n, device, lambda cap: (cap, shape, batch_size, geometry, signal_offsets),
+        lambda cap: graph_bytes(_arena(cap, geometry.volume, signal_offsets)[2], cap),
+        lambda cap: CapturedBuild(cap, shape, batch_size, geometry, signal_offsets, device),
+        # (the schedule's chunk tiles divide the bucket: those of 4096+ rows do)
+        lambda cap: (not cap % SCHEDULE_LAUNCH["ROWS"]
+                     and deferred_pairs_bound(cap, signal_offsets) <= pairs_max))
+
+
+def live_rows_graph(n: int, device: torch.device, key, size, make, usable=lambda cap: True):
+    """The kept LiveRowsGraph for a build of n rows on the current stream of `device`: the
+    smallest kept one within graph_registry.ROOM, else make(cap)'s for the roomiest bucket
+    there on that key's second request (within the budget); or None where the caller builds
+    eagerly (rows outside [MIN_ROWS, MAX_ROWS], not CUDA, graphs off, a capture running).
+    key(cap): the key past the device and stream; size(cap): the graph's bytes; usable(cap):
+    whether a bucket serves this build."""
+    if not MIN_ROWS <= n <= MAX_ROWS or device.type != "cuda" or not enabled() or (
+            torch.cuda.is_current_stream_capturing()):
+        return None
     caps = [cap for cap in room_buckets(n, graph_registry.ROOM)
-            if cap <= MAX_ROWS and not cap % SCHEDULE_LAUNCH["ROWS"]
-            and deferred_pairs_bound(cap, signal_offsets) <= pairs_max]
+            if cap <= MAX_ROWS and usable(cap)]
     stream = torch._C._cuda_getCurrentRawStream(device.index)
-    key_of = lambda cap: (device.index, stream, cap, shape,  # noqa: E731
-                          batch_size, geometry, signal_offsets)
+    key_of = lambda cap: (device.index, stream, *key(cap))  # noqa: E731
     return roomy_graph(_builds, caps, key_of, lambda cap: kept_graph(
-        key_of(cap), lambda: graph_bytes(_arena(cap, geometry.volume, signal_offsets)[2], cap),
-        lambda: CapturedBuild(cap, shape, batch_size, geometry, signal_offsets, device)))
+        key_of(cap), lambda: size(cap), lambda: make(cap)))
 
 
 def bytes_budget(device_index: int) -> int:

@@ -24,15 +24,15 @@ from ..geometry import ConvGeometry
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
-from .build_graphs import (LiveRowsGraph, arena_places, builds_registry, enabled, graph_bytes,
-                           kept_graph)
+from .build_graphs import (LiveRowsGraph, arena_places, builds_registry, graph_bytes, kept_graph,
+                           live_rows_graph)
 from . import graph_registry
 from .graph_registry import CaptureRegistry, capture_graph, roomy_graph
 from .generative_triton import (SENTINEL, TOTALS, candidate_slots, launch_candidates,
                                 launch_run_starts, launch_scatter, launch_transpose_map,
                                 run_starts_tiles, scattered_fwd, transposed_gather_map)
 from .keys import key_dtype
-from .rank_sort import MAX_ROWS, MIN_ROWS, TorchSort, room_buckets
+from .rank_sort import MAX_ROWS, TorchSort, room_buckets
 from .segments import unscheduled_map
 from .segments_torch import rank_words
 from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, launch_pairs,
@@ -274,14 +274,8 @@ def captured_strided_build(n: int, out_shape: tuple[int, int, int], batch_size: 
                            ) -> CapturedCandidates | None:
     """The captured first graph for a strided or transposed build of n checked rows (any kind
     of plan) on the current stream of `device`, or None where the caller builds eagerly (the
-    same rules as build_graphs.captured_build's)."""
-    if not MIN_ROWS <= n <= MAX_ROWS or device.type != "cuda" or not enabled() or (
-            torch.cuda.is_current_stream_capturing()):
-        return None
-    stream = torch._C._cuda_getCurrentRawStream(device.index)
-    key_of = lambda cap: (device.index, stream, "candidates", cap,  # noqa: E731
-                          out_shape, batch_size, geometry)
-    caps = [cap for cap in room_buckets(n, graph_registry.ROOM) if cap <= MAX_ROWS]
-    return roomy_graph(builds_registry(), caps, key_of, lambda cap: kept_graph(
-        key_of(cap), lambda: CapturedCandidates.graph_bytes(cap, geometry),
-        lambda: CapturedCandidates(cap, out_shape, batch_size, geometry, device)))
+    same rules as build_graphs.live_rows_graph's)."""
+    return live_rows_graph(
+        n, device, lambda cap: ("candidates", cap, out_shape, batch_size, geometry),
+        lambda cap: CapturedCandidates.graph_bytes(cap, geometry),
+        lambda cap: CapturedCandidates(cap, out_shape, batch_size, geometry, device))

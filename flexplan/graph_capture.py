@@ -14,8 +14,10 @@ import torch
 
 def capturing(device: torch.device) -> bool:
     """Whether work queued now on `device` is recorded into a CUDA graph (the current stream of
-    a CUDA device is capturing). Called only where a value is missing: the check costs a call."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    a CUDA device is capturing). Called only where a value is missing: the check costs a call
+    (torch's C query itself, not its Python wrapper: a fresh plan's launches ask dozens of
+    times a step)."""
+    return device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
 
 
 _PER_DEVICE: dict = {}

@@ -382,8 +382,9 @@ class ConvPlan:
           offset v of grad_out[o]^T in[i].
     out_coords: int32 [N_out, 4]; for submanifold convolutions the input coords themselves.
     for_training: False for a plan built for inference (no gradient will be taken): it has no
-          valid_signal pairs (empty, S = 0) and, strided or transposed, no bwd map (bwd None):
-          only backward reads them.
+          valid_signal pairs (empty, S = 0) and, strided or transposed, a bwd map only where
+          one was made with it for an inverse conv (a graph-replayed build's, planner.
+          generative_graphs, or planner.generative.bwd_from_fwd's), else bwd None.
     maps_only (derived): a strided (not transposed) inference plan whose fwd map has no masked
           schedule (rows in their own order, planner.segments.unscheduled_map): what a pool
           reads (its windows), without the schedule's sort and launches. A convolution over

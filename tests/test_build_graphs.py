@@ -10,6 +10,7 @@ from flexplan import planner
 from flexplan.plan import mirrored_signal_offsets
 from flexplan.plan_views import sorted_map_t
 from flexplan.planner import build_graphs
+from flexplan.planner.generative import bwd_from_fwd
 from flexplan.planner.segments_triton import deferred_pairs_bound
 from flexplan.workloads import random_coords
 
@@ -191,11 +192,13 @@ def test_replayed_strided_builds_equal_eager_builds(device, args, poisoned_empty
         plan = first.build(coords, SHAPE, BATCH, kind)
         exact = build_plan(coords.cpu(), SHAPE, BATCH, geometry, backend="torch",
                            training=kind == T, scheduled=kind != M)
+        if kind == I:  # an inference plan comes with the bwd map its inverse conv reads
+            exact = bwd_from_fwd(exact)
         _assert_same(plan, exact)
-        assert plan.for_training == (kind == T) and (plan.bwd is None) == (kind != T)
+        assert plan.for_training == (kind == T) and (plan.bwd is None) == (kind == M)
         assert plan.maps_only == exact.maps_only == (kind == M)
         assert (plan.num_out, plan.out_spatial_shape) == (exact.num_out, exact.out_spatial_shape)
-        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd))[:1 + (kind == T)]:
+        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd))[:1 + (kind != M)]:
             assert torch.equal(sorted_map_t(gmap).cpu(), sorted_map_t(other).cpu())
     # the second graphs' launches ran, but the scheduled kinds' for 64 offsets (two rank words:
     # the rest eager)
@@ -267,9 +270,12 @@ def test_captured_strided_builds_on_the_gpu():
     for coords, training, scheduled, plan in plans:
         exact = build_plan(coords.cpu(), shape, batch, geometry, backend="torch",
                            training=training, scheduled=scheduled)
+        if scheduled and not training:  # (with the bwd map its inverse conv reads)
+            exact = bwd_from_fwd(exact)
         _assert_same(plan, exact)
         assert plan.maps_only == exact.maps_only == (not scheduled)
-        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd))[:1 + training]:
+        assert (plan.bwd is None) == (not scheduled)
+        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd))[:1 + scheduled]:
             assert torch.equal(sorted_map_t(gmap).cpu(), sorted_map_t(other).cpu())
     build_graphs.release()
 
@@ -373,8 +379,8 @@ def test_graphs_made_under_inference_mode_serve_builds_outside_it(device):
             first.build(c, SHAPE, BATCH, generative_graphs.INFER)
     assert first.eager_rests.kept()
     plan = first.build(coords[2], SHAPE, BATCH, generative_graphs.INFER)  # and serves outside
-    _assert_same(plan, build_plan(coords[2].cpu(), SHAPE, BATCH, geometry, backend="torch",
-                                  training=False))
+    _assert_same(plan, bwd_from_fwd(build_plan(coords[2].cpu(), SHAPE, BATCH, geometry,
+                                               backend="torch", training=False)))
 
 
 def test_strided_first_graphs_replay_a_larger_kept_bucket(monkeypatch):

@@ -369,16 +369,37 @@ def _gather_gemm_launch(src, gmap: GatherMap, part: str, algo: str, m: int, ci: 
     for every call of one (part, algo, shape, dtype) on the map (_kept_launch)."""
     cfg, dtype, hip = shape_config(GATHER_GEMM, part, algo, m, ci, co, v, src, allow_tf32)
     masked = algo.startswith("masked")
+    # The map's part (its views for the config's row block) is shared by every launch over the
+    # map with that block: a fresh plan's forward and grad-input, and its other layers' convs,
+    # ask the map once (host time in a host-bound step on new coordinates).
+    key = (_MAP_VIEWS, cfg.block_m, masked)
+    known = gmap.launch_memo.get(key)
+    if known is None:
+        known = _map_views(gmap, cfg.block_m, masked)
+        if not capturing(src.device):  # (views made there must not outlive the capture)
+            gmap.launch_memo[key] = known
+    block_m, views = known
+    if block_m != cfg.block_m:
+        cfg = replace(cfg, block_m=block_m)
+    return (cfg, masked, *views, dtype, hip)
+
+
+# launch_memo's key prefix of _map_views' answers (other keys are _kept_launch's tuples)
+_MAP_VIEWS = "map views"
+
+
+def _map_views(gmap: GatherMap, block_m: int, masked: bool) -> tuple:
+    """(the row block a launch of config block block_m runs over gmap, (sorted_map_t,
+    chunk_order, valid_kernel, valid_kernel_seg)): the masked kernels' schedule of the nearest
+    block size the map has; the implicit kernels read no schedule (the map's sorted_idx in its
+    place, unread)."""
     if masked:
-        block_m = _block_for(gmap, cfg.block_m)
-        if block_m != cfg.block_m:
-            cfg = replace(cfg, block_m=block_m)
-        valid_kernel = gmap.kernel_offsets(cfg.block_m)
-        valid_kernel_seg = gmap.valid_kernel_seg[cfg.block_m]
+        block_m = _block_for(gmap, block_m)
+        valid_kernel, valid_kernel_seg = gmap.kernel_offsets(block_m), gmap.valid_kernel_seg[block_m]
     else:
         valid_kernel = valid_kernel_seg = gmap.sorted_idx  # unused by the kernel
-    return (cfg, masked, plan_views.sorted_map_t(gmap), plan_views.chunk_order(gmap),
-            valid_kernel, valid_kernel_seg, dtype, hip)
+    return block_m, (plan_views.sorted_map_t(gmap), plan_views.chunk_order(gmap), valid_kernel,
+                     valid_kernel_seg)
 
 
 def _im2col_chunks(src, nmap, reverse: bool = False, channel_major: bool = False):

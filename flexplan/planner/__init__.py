@@ -78,8 +78,9 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
         if backend == "torch" or coords.shape[0] == 0:
             return generative_plan(coords, shape, batch_size, geometry, training, maps_only)
         out_shape = output_spatial_shape(shape, geometry)
-        if coords.is_cuda and not (training and segments.SCHEDULE_BWD_MAPS):
-            # replayed from CUDA graphs where they are kept (generative_graphs.py)
+        if coords.is_cuda and not segments.SCHEDULE_BWD_MAPS:
+            # replayed from CUDA graphs where they are kept (generative_graphs.py; their bwd
+            # maps, an inference plan's too, unscheduled)
             replayed = captured_strided_build(coords.shape[0], out_shape, batch_size, geometry,
                                               coords.device)
             if replayed is not None:

@@ -10,6 +10,7 @@ import torch
 from .compile_boundary import opaque
 from .coords_hash import digest_identity, known_identity, lanes_to_digest, remember_identity
 from .device_guard import on_device_of
+from .host_waits import release_now
 from .tensor_memo import TensorMemo
 
 
@@ -89,6 +90,7 @@ def _check_coords(coords: torch.Tensor, spatial_shape: tuple[int, int, int], bat
             # (the identity's lanes hashed by the same pass)
             flags = coords_problem_flags(coords, spatial_shape, batch_size,
                                          spare_slots=2 * need_identity, lanes=need_identity)
+            release_now()  # (while the pass runs: host_waits.py)
             values = flags.tolist()  # the one host sync
         if need_identity:
             identity = digest_identity(lanes_to_digest(values[2:]))

@@ -300,7 +300,8 @@ class GatherMap:
                       Not written to plan files, not pickled, not carried by map_tensors / to().
     launch_memo:      key -> what a convolution's launch over this map takes from it and from
                       dispatch (config, views), kept by flexplan/ops/conv.py for the map's next
-                      calls of the same shape; likewise never filled by the map, never written
+                      calls of the same shape, and the map's views for a row block (shared by
+                      every launch with that block); likewise never filled by the map, never written
                       or carried. It holds no storage of its own (views of the fields above and
                       of derived_views).
     """
@@ -383,8 +384,9 @@ class ConvPlan:
     out_coords: int32 [N_out, 4]; for submanifold convolutions the input coords themselves.
     for_training: False for a plan built for inference (no gradient will be taken): it has no
           valid_signal pairs (empty, S = 0) and, strided or transposed, a bwd map only where
-          one was made with it for an inverse conv (a graph-replayed build's, planner.
-          generative_graphs, or planner.generative.bwd_from_fwd's), else bwd None.
+          made for an inverse conv (planner.generative.bwd_from_fwd, or a graph-replayed build
+          of a geometry an inverse conv asked that of before: planner.generative_graphs,
+          INFER_BWD), else bwd None.
     maps_only (derived): a strided (not transposed) inference plan whose fwd map has no masked
           schedule (rows in their own order, planner.segments.unscheduled_map): what a pool
           reads (its windows), without the schedule's sort and launches. A convolution over

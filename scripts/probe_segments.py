@@ -51,7 +51,7 @@ def main() -> None:
     batches = lidar_batches(range(args.steps), scans, mode)
     run = step_fn(net, opt, args.phase, mode, sp)
     print(f"{args.network} {args.phase} {args.mode}, fresh batches, {torch.cuda.get_device_name()}")
-    last = args.steps - args.window
+    last = (max(args.steps, 1) - 1) // args.window * args.window  # (the last window's start)
     for start in range(0, args.steps, args.window):
         if start == last:
             torch.cuda.memory._record_memory_history(enabled="all", context="alloc",

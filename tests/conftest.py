@@ -31,3 +31,15 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """Where kernels run: the GPU when there is one, else the CPU through Triton's interpreter."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _no_inverse_geometries_from_other_tests():
+    """The planner's record of geometries an inverse conv asked a bwd map of
+    (planner.generative.inverse_geometries) starts empty in every test: it decides what a
+    graph-replayed inference build makes."""
+    from flexplan.planner import generative
+
+    generative.inverse_geometries.clear()
+    yield
+    generative.inverse_geometries.clear()

@@ -183,8 +183,10 @@ def test_replayed_strided_builds_equal_eager_builds(device, args, poisoned_empty
     # training, inference and maps-only plans from one first graph, each kind its own second
     # graphs
     T, I, M = generative_graphs.TRAIN, generative_graphs.INFER, generative_graphs.MAPS
+    B = generative_graphs.INFER_BWD
     for seed, (n, kind) in enumerate(((500, T), (300, T), (cap, I), (410, T), (490, I), (450, T),
-                                      (470, I), (460, M), (420, M), (505, M))):
+                                      (470, I), (460, M), (420, M), (505, M), (480, B),
+                                      (495, B), (430, B))):
         if kind == M and geometry.transposed:  # (no maps-only plan: maps_only_request)
             kind = I
         coords = random_coords(n, SHAPE, BATCH, generator=torch.Generator().manual_seed(seed),
@@ -192,19 +194,20 @@ def test_replayed_strided_builds_equal_eager_builds(device, args, poisoned_empty
         plan = first.build(coords, SHAPE, BATCH, kind)
         exact = build_plan(coords.cpu(), SHAPE, BATCH, geometry, backend="torch",
                            training=kind == T, scheduled=kind != M)
-        if kind == I:  # an inference plan comes with the bwd map its inverse conv reads
+        if kind == B:  # (with the bwd map an inverse conv reads)
             exact = bwd_from_fwd(exact)
         _assert_same(plan, exact)
-        assert plan.for_training == (kind == T) and (plan.bwd is None) == (kind == M)
+        assert plan.for_training == (kind == T)
+        assert (plan.bwd is None) == (kind not in generative_graphs.WITH_BWD)
         assert plan.maps_only == exact.maps_only == (kind == M)
         assert (plan.num_out, plan.out_spatial_shape) == (exact.num_out, exact.out_spatial_shape)
-        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd))[:1 + (kind != M)]:
+        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd))[:1 + (plan.bwd is not None)]:
             assert torch.equal(sorted_map_t(gmap).cpu(), sorted_map_t(other).cpu())
     # the second graphs' launches ran, but the scheduled kinds' for 64 offsets (two rank words:
     # the rest eager)
     kinds = {kind for _, kind in first.eager_rests.kept()}
     maps = set() if geometry.transposed else {M}
-    assert kinds == ({T, I} | maps if geometry.volume <= 63 else maps)
+    assert kinds == ({T, I, B} | maps if geometry.volume <= 63 else maps)
 
 
 def test_eager_rest_after_a_failed_second_capture(device):
@@ -270,13 +273,23 @@ def test_captured_strided_builds_on_the_gpu():
     for coords, training, scheduled, plan in plans:
         exact = build_plan(coords.cpu(), shape, batch, geometry, backend="torch",
                            training=training, scheduled=scheduled)
-        if scheduled and not training:  # (with the bwd map its inverse conv reads)
-            exact = bwd_from_fwd(exact)
         _assert_same(plan, exact)
         assert plan.maps_only == exact.maps_only == (not scheduled)
-        assert (plan.bwd is None) == (not scheduled)
-        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd))[:1 + scheduled]:
+        for gmap, other in ((plan.fwd, exact.fwd), (plan.bwd, exact.bwd))[:1 + training]:
             assert torch.equal(sorted_map_t(gmap).cpu(), sorted_map_t(other).cpu())
+    # once an inverse conv asked an inference plan of this geometry for its bwd map, the
+    # inference builds make it in their replays (INFER_BWD), as bwd_from_fwd adds it
+    bwd_from_fwd(plans[1][3])
+    for seed, n in enumerate((20000, 19000, 21000), start=10):
+        coords = random_coords(n, shape, batch, generator=torch.Generator().manual_seed(seed),
+                               device="cuda")
+        plan = build_plan(coords, shape, batch, geometry, check=False, training=False)
+        exact = bwd_from_fwd(build_plan(coords.cpu(), shape, batch, geometry, backend="torch",
+                                        training=False))
+        _assert_same(plan, exact)
+        assert torch.equal(sorted_map_t(plan.bwd).cpu(), sorted_map_t(exact.bwd).cpu())
+    assert any(rest.kind == generative_graphs.INFER_BWD and rest.graph is not None
+               for rest in build_graphs.kept() if isinstance(rest, generative_graphs.CapturedRest))
     build_graphs.release()
 
 
@@ -379,8 +392,8 @@ def test_graphs_made_under_inference_mode_serve_builds_outside_it(device):
             first.build(c, SHAPE, BATCH, generative_graphs.INFER)
     assert first.eager_rests.kept()
     plan = first.build(coords[2], SHAPE, BATCH, generative_graphs.INFER)  # and serves outside
-    _assert_same(plan, bwd_from_fwd(build_plan(coords[2].cpu(), SHAPE, BATCH, geometry,
-                                               backend="torch", training=False)))
+    _assert_same(plan, build_plan(coords[2].cpu(), SHAPE, BATCH, geometry, backend="torch",
+                                  training=False))
 
 
 def test_strided_first_graphs_replay_a_larger_kept_bucket(monkeypatch):

@@ -407,6 +407,27 @@ def test_first_sightings_keep_a_bounded_ring(tmp_path, monkeypatch):
     assert cache.get_or_build(sets[0], SHAPE, 2, GEOM) is not plans[0]  # dropped: rebuilt
 
 
+def test_a_plan_the_ring_drops_is_released_at_the_next_host_wait(tmp_path, monkeypatch):
+    """The ring's dropped plan is not freed at the drop (a host-bound step's time) but handed to
+    host_waits, which frees it at the next release_now (a build's or check's host sync)."""
+    import gc
+    import weakref
+
+    from flexplan import host_waits
+    from flexplan.cache import memory as memory_module
+
+    monkeypatch.setattr(memory_module, "RECENT_PLANS", 1)
+    host_waits.release_now()
+    cache = auto_cache(tmp_path)
+    first = weakref.ref(cache.get_or_build(make_coords(seed=0), SHAPE, 2, GEOM))
+    cache.get_or_build(make_coords(seed=1), SHAPE, 2, GEOM)  # drops the first from the ring
+    gc.collect()
+    assert first() is not None and host_waits.pending() == 1
+    assert host_waits.release_now() == 1
+    gc.collect()
+    assert first() is None and host_waits.pending() == 0
+
+
 def test_memory_without_disk_keeps_a_key_that_comes_back(tmp_path, monkeypatch):
     """Mode never (and builds that beat any load): a first sighting goes to the ring, a key built
     again after the ring dropped it goes to the LRU, and stays there."""

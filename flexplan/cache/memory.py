@@ -6,7 +6,8 @@ with pinned=True (plans a server loaded with load_plans) are never evicted, only
 Plans of a key's first sighting go to a ring of the RECENT_PLANS latest instead (put_recent): a
 repeat soon after (the same coordinates asked for again in the same step) finds them and moves
 them to the LRU, while a stream of coordinates seen once (augmented scans, a scan per request)
-neither fills the LRU, nor holds GPU memory, nor pays its per-entry accounting. Where no one
+neither fills the LRU, nor holds GPU memory, nor pays its per-entry accounting. A plan the
+ring drops is freed in the host's next wait on the GPU (host_waits.py), not in the step's time. Where no one
 else tells a first sighting from a repeat (no disk cache to consult: admit), the memory
 remembers the keys of its last SEEN_KEYS plans: a key built again goes to the LRU.
 """
@@ -17,6 +18,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..host_waits import release_later
 from ..plan import ConvPlan
 
 
@@ -94,12 +96,15 @@ class MemoryCache:
     def put_recent(self, key: str, plan: ConvPlan) -> None:
         """Keep the plan of a key's first sighting in the ring of recent ones (and its key with
         the seen ones: built again, it is a repeat)."""
+        dropped = None
         with self._lock:
             slot = (key, plan.device)
             self._recent[slot] = plan
             if len(self._recent) > RECENT_PLANS:
-                self._recent.popitem(last=False)
+                dropped = self._recent.popitem(last=False)[1]
             self._note_seen(slot)
+        if dropped is not None:  # (freed in the host's next wait on the GPU: host_waits.py)
+            release_later(dropped)
 
     def _note_seen(self, slot) -> bool:
         """Note slot among the seen keys (the latest SEEN_KEYS); whether it was there (locked)."""

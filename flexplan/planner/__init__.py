@@ -14,7 +14,7 @@ from ..plan import (ConvPlan, maps_only_request, mirrored_signal_offsets, signal
                     with_sorted_map_t)
 from ..coords_check import check_coords, check_coords_layout, raise_coords_problems
 from . import segments
-from .generative import generative_plan, output_spatial_shape
+from .generative import generative_plan, inverse_geometries, output_spatial_shape
 from .generative_graphs import captured_strided_build, plan_kind
 from .build_graphs import captured_build, captured_map_build
 from .generative_triton import generative_plan_triton
@@ -38,10 +38,13 @@ def build_plan(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: i
     """Build the execution plan of one sparse convolution over `coords`.
 
     backend: "triton" (GPU hash table), "torch" (sort + searchsorted; the CPU path and test
-    oracle) or "auto" (Triton on a GPU, torch elsewhere). Both give identical plans.
+    oracle) or "auto" (Triton on a GPU, torch elsewhere). Both give identical plans (but a
+    strided inference plan replayed from a graph may come with the bwd map an inverse conv of
+    its geometry asked for before: generative_graphs.INFER_BWD).
     check: validate coords (range, duplicates) first; pass False for coords already checked
     (unchecked duplicates make a plan whose parts may disagree: never pass unchecked input).
-    training: False builds an inference plan (ConvPlan.for_training): no backward parts.
+    training: False builds an inference plan (ConvPlan.for_training): no pairs (nor, but
+    as said above, a bwd map).
     scheduled: False with training False builds no schedule of the fwd map: for a strided
     geometry a maps-only plan (ConvPlan.maps_only), what pools read; for a submanifold one a
     plan whose schedule is deferred (ConvPlan.schedule_deferred: its convs run every offset
@@ -78,13 +81,16 @@ def _build_plan(coords, shape, batch_size, geometry, backend, check, training,
         if backend == "torch" or coords.shape[0] == 0:
             return generative_plan(coords, shape, batch_size, geometry, training, maps_only)
         out_shape = output_spatial_shape(shape, geometry)
-        if coords.is_cuda and not segments.SCHEDULE_BWD_MAPS:
-            # replayed from CUDA graphs where they are kept (generative_graphs.py; their bwd
-            # maps, an inference plan's too, unscheduled)
+        if coords.is_cuda and not (training and segments.SCHEDULE_BWD_MAPS):
+            # replayed from CUDA graphs where they are kept (generative_graphs.py); an
+            # inference plan of a geometry whose inverse conv asked for its bwd map before
+            # comes with it (unscheduled, as bwd_from_fwd makes it without SCHEDULE_BWD_MAPS)
             replayed = captured_strided_build(coords.shape[0], out_shape, batch_size, geometry,
                                               coords.device)
             if replayed is not None:
-                return replayed.build(coords, shape, batch_size, plan_kind(training, maps_only))
+                bwd = geometry in inverse_geometries and not segments.SCHEDULE_BWD_MAPS
+                return replayed.build(coords, shape, batch_size,
+                                      plan_kind(training, maps_only, bwd))
         return generative_plan_triton(coords, shape, out_shape, batch_size, geometry, training,
                                       maps_only)
     signal_offsets = mirrored_signal_offsets(geometry.volume) if training else 0

@@ -124,12 +124,19 @@ def transposed_map_torch(fwd: torch.Tensor, num_in: int) -> torch.Tensor:
     return bwd[:num_in]
 
 
+# The geometries whose inference plans an inverse conv asked for the bwd map of (bwd_from_fwd):
+# the planner's later strided inference builds of them replayed from graphs make that map in
+# the replay (generative_graphs.INFER_BWD), other networks' builds none.
+inverse_geometries: set = set()
+
+
 @opaque
 def bwd_from_fwd(plan: ConvPlan) -> ConvPlan:
     """The plan with its bwd map (input rows gather output rows) made from the fwd map, for an
     inference plan of a strided / transposed conv whose inverse conv needs it: one launch (and,
     with segments.SCHEDULE_BWD_MAPS, the map's schedule) on a GPU, no host sync (an inference
     plan keeps no pairs)."""
+    inverse_geometries.add(plan.geometry)
     fwd = plan.fwd.neighbor_map
     with on_device_of(fwd):  # (its launches: on the plan's GPU)
         # (a maps-only plan stays one)

@@ -8,10 +8,10 @@ count from device memory, kernels_src/row_count.py: rows past it are padding, th
 sorted last), their sort and the run starts; the host then reads the output and pair counts.
 The second, per bucket of output rows and kind of plan (the first's buffers are its inputs;
 one first graph serves every kind), records the rest: the fwd map and output coordinates,
-but for a maps-only plan the fwd map's schedule and the bwd map transposed from the fwd
-map, and for a training plan the pairs too. (An inference plan's bwd map is what an inverse
-conv over it reads: made here, inside the replay, rather than by one more launch and its host
-work at the inverse conv, planner.generative.bwd_from_fwd.) Their kernels read the live output count, which
+but for a maps-only plan the fwd map's schedule, for a training plan the bwd map transposed
+from the fwd map and the pairs, and for an inference plan of a geometry whose inverse conv
+asked for the bwd map before (INFER_BWD) that map: made inside the replay rather than by one
+more launch and its host work at the inverse conv (planner.generative.bwd_from_fwd). Their kernels read the live output count, which
 the run starts left on the device; a schedule needs kernels of at most 63 offsets, whose Gray
 ranks are one word: only then are the padding rows ranked last. Where the second is not
 captured yet, the rest runs eagerly
@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..geometry import ConvGeometry
+from ..host_waits import release_now
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..launcher import launch
 from ..plan import MISSING, ConvPlan, signal_fields, with_sorted_map_t
@@ -42,14 +43,17 @@ from .segments_triton import (SCHEDULE_LAUNCH, _aligned, deferred_gather_map, la
                               schedule_layout)
 
 # The kinds of plan a first graph's builds make (one second graph per output bucket and kind):
-# a training plan, an inference plan (scheduled fwd map and the bwd map, no pairs), a pool's
-# maps-only plan (ConvPlan.maps_only: the fwd map unscheduled, no bwd map).
-TRAIN, INFER, MAPS = "train", "infer", "maps"
-KINDS = (TRAIN, INFER, MAPS)
+# a training plan, an inference plan (scheduled fwd map, no bwd map or pairs), the same with
+# the bwd map an inverse conv reads (INFER_BWD), a pool's maps-only plan (ConvPlan.maps_only:
+# the fwd map unscheduled).
+TRAIN, INFER, INFER_BWD, MAPS = "train", "infer", "infer+bwd", "maps"
+KINDS = (TRAIN, INFER, INFER_BWD, MAPS)
+WITH_BWD = frozenset({TRAIN, INFER_BWD})
 
 
-def plan_kind(training: bool, maps_only: bool) -> str:
-    return MAPS if maps_only else TRAIN if training else INFER
+def plan_kind(training: bool, maps_only: bool, bwd: bool = False) -> str:
+    """bwd: an inference plan with its bwd map (INFER_BWD)."""
+    return MAPS if maps_only else TRAIN if training else INFER_BWD if bwd else INFER
 
 
 # Per candidate, what a first graph's pool keeps (the capture's peak): keys, taps and ranks,
@@ -100,14 +104,15 @@ class CapturedCandidates(LiveRowsGraph):
 
     def build(self, coords: torch.Tensor, in_shape: tuple[int, int, int], batch_size: int,
               kind: str = TRAIN) -> ConvPlan:
-        """generative_plan_triton's plan of `kind` (TRAIN, INFER, MAPS) for coords [n <= cap,
-        4], checked."""
+        """generative_plan_triton's plan of `kind` (KINDS) for coords [n <= cap, 4], checked
+        (INFER_BWD: also the bwd map, as planner.generative.bwd_from_fwd would add it)."""
         if kind not in KINDS:
             raise ValueError(f"unknown kind of plan {kind!r}; one of {KINDS}")
         n = coords.shape[0]
         with self.lock:  # the graphs' buffers are ours from the copy in to the copies out
             outputs = self.replay(coords)
             readback = outputs[-1]
+            release_now()  # (while the replay runs)
             n_out, pairs = readback[:TOTALS].tolist()  # the one host sync
             pairs = max(pairs, 0)  # -1: no candidate at all
             rest = self._second(n_out, kind) if pairs else None
@@ -133,7 +138,7 @@ class CapturedCandidates(LiveRowsGraph):
         # -1 as the schedule's look-back expects: a second graph's first-use pass (a capture
         # that then failed) may have left its state there
         fwd_readback.fill_(-1)
-        bwd_map = transposed_gather_map(fwd, n)  # (as the second graph makes it, kind INFER too)
+        bwd_map = transposed_gather_map(fwd, n) if kind in WITH_BWD else None
         fwd_map, signal, _ = plan_schedule_triton(fwd, PLAN_BLOCK_SIZES,
                                                   v if kind == TRAIN else 0, fwd_readback,
                                                   pairs_total=pairs)
@@ -183,8 +188,8 @@ class CapturedCandidates(LiveRowsGraph):
 
 class CapturedRest:
     """The second graph: fwd map and output coordinates of up to `cap` output rows, over a
-    CapturedCandidates' buffers; but for MAPS also the fwd schedule and the bwd map, for TRAIN
-    the pairs too."""
+    CapturedCandidates' buffers; but for MAPS also the fwd schedule, for TRAIN and INFER_BWD
+    the bwd map, for TRAIN the pairs too."""
 
     def __init__(self, first: CapturedCandidates, cap: int, layout, kind: str = TRAIN):
         self.first, self.cap, self.layout, self.kind = first, cap, layout, kind
@@ -198,13 +203,16 @@ class CapturedRest:
     @staticmethod
     def places_of(first: CapturedCandidates, cap: int, layout,
                   kind: str = TRAIN) -> tuple[int, ...]:
-        """The arena's regions: plan_out (MAPS: none), fwd map, out coords; but for MAPS map_t,
-        the pair rows (room: one per candidate; INFER: none), bwd map, bwd_t."""
+        """The arena's regions: plan_out (MAPS: none), fwd map, out coords; but for MAPS map_t;
+        for TRAIN and INFER_BWD the pair rows (room: one per candidate; INFER_BWD: none), bwd
+        map, bwd_t."""
         v = first.geometry.volume
         regions = (0 if kind == MAPS else layout.out_size, cap * v, cap * 4)
         if kind != MAPS:
-            regions += (v * cap, 2 * _aligned(first.total) if kind == TRAIN else 0,
-                        first.cap * v, v * first.cap)
+            regions += (v * cap,)
+        if kind in WITH_BWD:
+            regions += (2 * _aligned(first.total) if kind == TRAIN else 0, first.cap * v,
+                        v * first.cap)
         return arena_places(regions)
 
     def _launches(self, outputs) -> torch.Tensor:
@@ -224,9 +232,10 @@ class CapturedRest:
         plan_out = arena[:self.layout.out_size]
         map_t = arena[p[3]:p[3] + v * self.cap].view(v, self.cap)
         training = self.kind == TRAIN
-        arena[p[5]:].fill_(MISSING)
-        launch_transpose_map(launch, fwd, arena[p[5]:p[6]], arena[p[6]:p[7]], self.cap * v,
-                             first.cap, rows_in, v, True)
+        if self.kind in WITH_BWD:
+            arena[p[5]:].fill_(MISSING)
+            launch_transpose_map(launch, fwd, arena[p[5]:p[6]], arena[p[6]:p[7]], self.cap * v,
+                                 first.cap, rows_in, v, True)
         signal_offsets = v if training else 0
         fwd_readback = readback[first.fwd_at:first.fwd_at + self.layout.readback_slots]
         fwd_readback.fill_(-1)
@@ -239,9 +248,9 @@ class CapturedRest:
         return arena
 
     def build(self, outputs, n_in: int, n_out: int, pairs: int):
-        """(out_coords, fwd map, bwd map, valid_signal's triple; the bwd map None for MAPS,
-        the triple None but for TRAIN) of the first graph's live rows, from its outputs (its
-        last replay's), the first's lock held."""
+        """(out_coords, fwd map, bwd map, valid_signal's triple; the bwd map None but for
+        TRAIN and INFER_BWD, the triple None but for TRAIN) of the first graph's live rows, from
+        its outputs (its last replay's), the first's lock held."""
         v, p, layout = self.first.geometry.volume, self.places, self.layout
         if self.graph is None:
             arena = self._launches(outputs)
@@ -258,10 +267,12 @@ class CapturedRest:
         seg_runs = {block: (at, -(-n_out // block) + 1)
                     for block, (at, _) in layout.seg_runs.items()}
         fwd_map = deferred_gather_map(fwd, plan_out, map_t, layout, seg_runs)
+        if self.kind == INFER:
+            return out_coords, fwd_map, None, None
         bwd = arena[p[5]:p[5] + n_in * v].view(n_in, v)
         bwd_map = with_sorted_map_t(unscheduled_map(bwd),
                                     arena[p[6]:p[6] + v * n_in].view(v, n_in))
-        if self.kind == INFER:
+        if self.kind == INFER_BWD:
             return out_coords, fwd_map, bwd_map, None
         at = layout.signal_seg_at
         signal = (arena[p[4]:p[4] + pairs], arena[p[4] + self.room:p[4] + self.room + pairs],

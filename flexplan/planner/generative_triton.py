@@ -28,6 +28,7 @@ import functools
 import torch
 
 from ..geometry import ConvGeometry
+from ..host_waits import release_now
 from ..kernel_configs import PLAN_BLOCK_SIZES
 from ..kernels_src import plan_generative as kernels
 from ..launch_spec import ADDRESS, INT32, INT64, KEYS, SIZE, UNREAD_ADDRESS
@@ -151,6 +152,7 @@ def generative_plan_triton(coords: torch.Tensor, spatial_shape: tuple[int, int, 
         sorted_keys, order = sorter.sort()
         launch_run_starts(launch, sorted_keys, rank, readback, total, state_at, sent)
         scatter = (sorted_keys, order, rank, taps)
+        release_now()  # (while the launches above run: host_waits.py)
         n_out, pairs = readback[:TOTALS].tolist()  # the one host sync
         pairs = max(pairs, 0)  # -1: no candidate at all
         bwd_map = None

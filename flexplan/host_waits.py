@@ -23,7 +23,8 @@ MAX_PENDING = 8
 
 _pending: deque = deque()
 _lock = threading.Lock()
-# A forked child's inherited objects hold its parent's device memory: never released there.
+# What waited here at a fork stays referenced in the child (its device memory is the parent's:
+# not freed there by this module; other objects the child drops are its own affair).
 _inherited: list = []
 
 

@@ -426,6 +426,12 @@ def test_a_plan_the_ring_drops_is_released_at_the_next_host_wait(tmp_path, monke
     assert host_waits.release_now() == 1
     gc.collect()
     assert first() is None and host_waits.pending() == 0
+    second = weakref.ref(cache.get_or_build(make_coords(seed=2), SHAPE, 2, GEOM))
+    cache.get_or_build(make_coords(seed=3), SHAPE, 2, GEOM)  # (drops seed 1's, then seed 2's)
+    assert host_waits.pending() == 2 and second() is not None
+    cache.clear()  # (frees what waits too)
+    gc.collect()
+    assert second() is None and host_waits.pending() == 0
 
 
 def test_memory_without_disk_keeps_a_key_that_comes_back(tmp_path, monkeypatch):

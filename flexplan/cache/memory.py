@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import torch
 
-from ..host_waits import release_later
+from ..host_waits import release_later, release_now
 from ..plan import ConvPlan
 
 
@@ -188,3 +188,4 @@ class MemoryCache:
             self._recent.clear()
             self._seen.clear()
             self._bytes = 0
+        release_now()  # (and the plans dropped before, waiting for a host wait: host_waits.py)

@@ -2,7 +2,7 @@
 # GPU tests and benchmarks in one go, on the GPU machine (system python with torch + Triton,
 # no network). Carry .whl (platformdirs) and .peers (spconv, from ../shared/tools/peers-for-gpu.sh).
 # Usage: bash scripts/gpu_check.sh [tests] [tests-split] [cuda] [planner] [submconv] [cache] [aot] [table] [tuning] [unet]
-#        [e2e] [layers] [ddp] [precision] [issue20] [host] [builds]
+#        [e2e] [layers] [ddp] [precision] [issue20] [host] [builds] [builds-tests]
 #        (no argument: everything). Results land in scripts/results/ and, if set, in $OUT.
 # The results name the code's commit: on a copied tree whose .git is another commit's, set
 # FLEXPLAN_BENCH_COMMIT (e.g. FLEXPLAN_BENCH_COMMIT=$(git rev-parse --short HEAD) where the
@@ -42,6 +42,18 @@ for step in "${steps[@]}"; do
       done
       rm -f "$one"
       [ $split_status -eq 0 ] ;;
+    # the GPU tests of the planner's graphs, builds and convolutions alone (~3 min): what a
+    # change to the build graphs or the launch path needs before a benchmark
+    builds-tests)
+      builds_status=0
+      for file in tests/test_build_graphs.py tests/test_strided.py tests/test_planner.py \
+                  tests/test_derived_keys.py tests/test_cuda_graphs.py tests/test_conv.py; do
+        out=$(timeout "${GPU_TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu \
+                -p no:cacheprovider "$file" 2>&1); rc=$?
+        echo "$file: rc $rc, $(echo "$out" | grep -E 'passed|failed|error' | tail -1)"
+        [ $rc -eq 0 ] || [ $rc -eq 5 ] || { builds_status=1; echo "$out" | tail -30; }
+      done
+      [ $builds_status -eq 0 ] ;;
     # CPU-suite tests whose device fixture takes the GPU here: the ops, pools, tensors and
     # BatchNorm folding on CUDA tensors (the suite runs them on the CPU)
     cuda)     python3 -m pytest -q tests/test_conv.py tests/test_autocast.py \

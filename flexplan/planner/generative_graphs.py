@@ -11,12 +11,12 @@ one first graph serves every kind), records the rest: the fwd map and output coo
 but for a maps-only plan the fwd map's schedule, for a training plan the bwd map transposed
 from the fwd map and the pairs, and for an inference plan of a geometry whose inverse conv
 asked for the bwd map before (INFER_BWD) that map: made inside the replay rather than by one
-more launch and its host work at the inverse conv (planner.generative.bwd_from_fwd). Their kernels read the live output count, which
-the run starts left on the device; a schedule needs kernels of at most 63 offsets, whose Gray
-ranks are one word: only then are the padding rows ranked last. Where the second is not
-captured yet, the rest runs eagerly
-over the first's buffers, as generative_plan_triton runs it. The plan's buffers are one arena
-of the second, copied out after each replay (build_graphs.py says why).
+more launch and its host work at the inverse conv (planner.generative.bwd_from_fwd). Their
+kernels read the live output count, which the run starts left on the device; a schedule
+needs kernels of at most 63 offsets, whose Gray ranks are one word: only then are the padding
+rows ranked last. Where the second is not captured yet, the rest runs eagerly over the
+first's buffers, as generative_plan_triton runs it. The plan's buffers are one arena of the
+second, copied out after each replay (build_graphs.py says why).
 """
 from __future__ import annotations
 
